@@ -1,0 +1,128 @@
+"""Static plan shared by the attention kernels: block sizes, padded lengths, loop bounds, masks.
+
+Loop-bound arithmetic (bottom-right causal, offset = S - T): query i sees key j iff j <= i + offset.
+For a query block [qs, qs + bq) and key block [ks, ks + bk):
+  * the block is visited at all iff ks <= qs + bq - 1 + offset      (upper bound of the kv loop)
+  * the block needs no causal mask iff ks + bk - 1 <= qs + offset    (every row sees every key)
+Only blocks between those two bounds (the diagonal band), blocks holding padded keys, and all
+blocks when segment ids are given pay for building a mask.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import is_pow2
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttentionBlockSizes:
+    """Tile sizes (powers of two >= 16) and Triton launch settings of the three attention kernels.
+
+    fwd: a program owns `block_q` queries and walks keys `block_k` at a time.
+    dkdv: a program owns `block_k_dkv` keys of one kv head and walks `block_q_dkv` queries of every
+    query head in its GQA group. dq: a program owns `block_q_dq` queries, walks `block_k_dq` keys.
+    """
+    block_q: int = 128
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 128
+    block_q_dq: int = 128
+    block_k_dq: int = 64
+    num_warps_fwd: int = 8
+    num_stages_fwd: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            val = getattr(self, f)
+            if not is_pow2(val) or val < 16:
+                raise ValueError(f"FlashAttentionBlockSizes.{f} must be a power of two >= 16; got {val!r}")
+        for f in ("num_warps_fwd", "num_warps_bwd", "num_stages_fwd", "num_stages_bwd"):
+            val = getattr(self, f)
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"FlashAttentionBlockSizes.{f} must be a positive int; got {val!r}")
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "FlashAttentionBlockSizes":
+        """Defaults that fit shared memory and registers for the given (padded) head dim."""
+        if head_dim <= 64:
+            return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=128, block_q_dq=128,
+                       block_k_dq=64, num_warps_fwd=4, num_stages_fwd=3, num_warps_bwd=4)
+        if head_dim <= 128:
+            return cls()
+        return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
+                   block_k_dq=32, num_warps_fwd=8, num_stages_fwd=2, num_warps_bwd=8, num_stages_bwd=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """Everything static about one call: hashable, so it can be a custom_vjp nondiff argument."""
+    causal: bool
+    sm_scale: float
+    t_real: int
+    s_real: int
+    t_pad: int
+    s_pad: int
+    has_seg: bool
+    blocks: FlashAttentionBlockSizes
+    interpret: bool
+
+    @property
+    def offset(self) -> int:
+        return self.s_real - self.t_real
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def kv_loop_bounds(plan: AttentionPlan, q_start, bq: int, bk: int):
+    """(n_unmasked, n_total) key blocks for the query block at q_start; keys past S are skipped."""
+    hi = _i32((plan.s_real + bk - 1) // bk)
+    if plan.causal:
+        reach = jnp.maximum(q_start + (bq + plan.offset + bk - 1), 0)
+        hi = jnp.minimum(lax.div(reach, _i32(bk)), hi)
+        full = lax.div(jnp.maximum(q_start + (plan.offset + 1), 0), _i32(bk))
+        n_safe = jnp.minimum(full, hi)
+    else:
+        n_safe = hi
+    n_safe = jnp.minimum(n_safe, _i32(plan.s_real // bk))  # the block holding padded keys is masked
+    if plan.has_seg:
+        n_safe = _i32(0)
+    return n_safe, hi
+
+
+def q_loop_bounds(plan: AttentionPlan, k_start, bq: int, bk: int):
+    """(lo, mid, hi) query blocks for the key block at k_start: [lo, mid) masked, [mid, hi) not."""
+    hi = _i32((plan.t_real + bq - 1) // bq)
+    if plan.causal:
+        lo = jnp.minimum(lax.div(jnp.maximum(k_start - plan.offset, 0), _i32(bq)), hi)
+        first_full = lax.div(jnp.maximum(k_start + (bk - 1 - plan.offset), 0) + (bq - 1), _i32(bq))
+        mid = jnp.clip(first_full, lo, hi)
+    else:
+        lo = mid = _i32(0)
+    if plan.has_seg:
+        mid = hi
+    return lo, mid, hi
+
+
+def block_mask(plan: AttentionPlan, q_start, k_start, bq: int, bk: int, q_seg, k_seg, kv_valid: bool):
+    """[bq, bk] bool (True = attend) for a block pair; only the parts the plan needs are built."""
+    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)[:, None]
+    k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    mask = None
+    if plan.causal:
+        mask = k_pos <= q_pos + plan.offset
+    if kv_valid and plan.s_real % bk != 0:
+        valid = k_pos < plan.s_real
+        mask = valid if mask is None else mask & valid
+    if q_seg is not None:
+        seg = q_seg[:, None] == k_seg[None, :]
+        mask = seg if mask is None else mask & seg
+    if mask is None:  # nothing to mask, but the caller asked for a masked block
+        mask = jnp.ones((bq, bk), jnp.bool_)
+    return mask

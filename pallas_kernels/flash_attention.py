@@ -1,0 +1,92 @@
+"""`flash_attention`: the public entry point, padding, and the custom_vjp wiring.
+
+Inputs are padded (outside the custom_vjp) to whole blocks: T and S up to the largest query/key
+block in use, E up to a power of two >= 16 with zeros (zero columns change neither q.k nor o).
+Padded keys are masked inside the kernels; padded query rows get a zero cotangent from the
+slice's transpose, so they add nothing to dK/dV. Cost of the padding: one copy of q/k/v when a
+length is not a block multiple, none otherwise.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import next_pow2, round_up
+from pallas_kernels.attention_bwd import attention_backward
+from pallas_kernels.attention_fwd import attention_forward
+from pallas_kernels.attention_plan import AttentionPlan, FlashAttentionBlockSizes
+from pallas_kernels.attention_reference import SegmentIds, check_attention_args
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, plan: AttentionPlan):
+    return attention_forward(q, k, v, q_seg, kv_seg, plan)
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, plan):
+    o, lse = attention_forward(q, k, v, q_seg, kv_seg, plan)
+    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _flash_bwd(plan, res, cts):
+    q, k, v, q_seg, kv_seg, o, lse = res
+    do, dlse = cts
+    dq, dk, dv = attention_backward(q, k, v, q_seg, kv_seg, o, lse, do.astype(o.dtype),
+                                    dlse.astype(jnp.float32), plan)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _clamp_blocks(bs: FlashAttentionBlockSizes, t: int, s: int) -> FlashAttentionBlockSizes:
+    """Shrinks blocks larger than the (power-of-two rounded) sequence so short inputs pad little."""
+    tq, tk = max(16, next_pow2(t)), max(16, next_pow2(s))
+    return FlashAttentionBlockSizes(
+        block_q=min(bs.block_q, tq), block_k=min(bs.block_k, tk),
+        block_q_dkv=min(bs.block_q_dkv, tq), block_k_dkv=min(bs.block_k_dkv, tk),
+        block_q_dq=min(bs.block_q_dq, tq), block_k_dq=min(bs.block_k_dq, tk),
+        num_warps_fwd=bs.num_warps_fwd, num_stages_fwd=bs.num_stages_fwd,
+        num_warps_bwd=bs.num_warps_bwd, num_stages_bwd=bs.num_stages_bwd)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, segment_ids: SegmentIds = None,
+                    sm_scale: float | None = None, return_lse: bool = False,
+                    block_sizes: FlashAttentionBlockSizes | None = None, interpret: bool = False):
+    """Fused attention. q [B, T, H, E], k/v [B, S, K, E] with H % K == 0 -> o [B, T, H, E].
+
+    causal: bottom-right aligned (query i sees keys j <= i + S - T).
+    segment_ids: [B, T] ints when T == S, or a pair (q_ids [B, T], kv_ids [B, S]).
+    return_lse: also return lse [B, H, T] fp32 (natural log, -inf for a query that sees no key);
+      it is differentiable, so blockwise results can be merged (ring attention) under jax.grad.
+    block_sizes: tile sizes; default `FlashAttentionBlockSizes.for_head_dim(E)`.
+    interpret: run the Pallas kernels in interpret mode (CPU tests).
+    """
+    q_seg, kv_seg, sm_scale = check_attention_args(q, k, v, segment_ids, sm_scale)
+    if block_sizes is not None and not isinstance(block_sizes, FlashAttentionBlockSizes):
+        raise ValueError(f"block_sizes must be a FlashAttentionBlockSizes; got {type(block_sizes).__name__}")
+    b, t, h, e = q.shape
+    s = k.shape[1]
+    e_pad = max(16, next_pow2(e))
+    bs = _clamp_blocks(block_sizes or FlashAttentionBlockSizes.for_head_dim(e_pad), t, s)
+    t_pad = round_up(t, max(bs.block_q, bs.block_q_dkv, bs.block_q_dq))
+    s_pad = round_up(s, max(bs.block_k, bs.block_k_dkv, bs.block_k_dq))
+    plan = AttentionPlan(causal=bool(causal), sm_scale=sm_scale, t_real=t, s_real=s, t_pad=t_pad,
+                         s_pad=s_pad, has_seg=q_seg is not None, blocks=bs, interpret=bool(interpret))
+
+    def pad(x, length):
+        if x.shape[1] == length and x.shape[3] == e_pad:
+            return x
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, e_pad - e)))
+
+    if q_seg is not None:
+        # Padded queries and keys get ids that match nothing real (and not each other).
+        q_seg = jnp.pad(q_seg, ((0, 0), (0, t_pad - t)), constant_values=jnp.iinfo(jnp.int32).min)
+        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, s_pad - s)), constant_values=jnp.iinfo(jnp.int32).max)
+    o, lse = _flash(pad(q, t_pad), pad(k, s_pad), pad(v, s_pad), q_seg, kv_seg, plan)
+    o = o[:, :t, :, :e]
+    if return_lse:
+        return o, lse[:, :, :t]
+    return o
