@@ -1,0 +1,443 @@
+"""Typed, frozen configuration: YAML file, then dotted `section.key=value` overrides, then validate().
+
+The config is the user's whole interface, so every mistake is reported as a `ConfigError` that names
+the field, the value and the fix, and `validate()` reports every problem at once instead of the first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
+
+
+class ConfigError(ValueError):
+    """A mistake in user configuration. `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+# --------------------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Degrees of the 7 mesh axes, outermost (slowest links) first. One degree may be -1: the rest."""
+
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = -1
+    ep: int = 1
+    cp: int = 1
+    sp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False  # Megatron SP: norm/residual activations sharded on seq over tp
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"  # fills the shape fields below; explicit fields override it
+    n_layers: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // n_heads
+    d_ff: int = 352
+    vocab_size: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    attention: Literal["reference", "cudnn", "pallas"] = "reference"
+    norm: Literal["reference", "pallas"] = "reference"
+    loss: Literal["reference", "fused"] = "reference"
+    scan_layers: bool = True
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    schedule_steps: int = 0  # 0: same as steps. Set it so that a run stopped early keeps its schedule.
+    global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
+    grad_accum: int = 1  # microbatches per step, scanned inside the jitted step
+    zero_stage: int = 1  # what fsdp shards: 1 optimizer state, 2 + gradients, 3 + parameters
+    remat: str = "none"  # none | full | save_dots | save_attn | names:<point>,<point>...
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    log_every: int = 10
+    max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) steps
+
+    @property
+    def total_schedule_steps(self) -> int:
+        return self.schedule_steps or self.steps
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["synthetic", "file"] = "synthetic"
+    path: str = ""  # token file (.bin raw or .npy) for source=file
+    dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a raw .bin token file
+    seq_len: int = 64
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    compute: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    params: Literal["float32"] = "float32"  # master weights; optimizer state follows them
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run.dir>/checkpoints
+    every: int = 0  # steps between saves; 0 disables saving (restore still happens if dir has one)
+    keep: int = 3  # keep the last N committed checkpoints
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host start. Empty values are read from the environment (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID) or detected (SLURM); a single process needs none."""
+
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    local_device_ids: str = ""  # e.g. "0,1,2,3"; empty: all local devices
+    cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"  # how CPU devices talk across processes
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    progress: bool = True  # live progress bar on a terminal
+    cpu_devices: int = 8  # simulated devices when only a CPU is found (set before jax starts)
+
+
+@dataclass(frozen=True)
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run.dir) / "checkpoints")
+
+
+# ------------------------------------------------------------------------------------ model presets
+
+# Shapes only; everything else keeps its default. `llama1b` is the peers' benchmark shape.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=352, vocab_size=256),
+    "small": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=704, vocab_size=512),
+    "125m": dict(n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, d_ff=2048, vocab_size=32000),
+    "llama1b": dict(n_layers=24, d_model=2048, n_heads=16, n_kv_heads=16, d_ff=5632, vocab_size=32000),
+    "llama3_8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                      vocab_size=128256, rope_theta=500000.0),
+    "llama2_13b": dict(n_layers=40, d_model=5120, n_heads=40, n_kv_heads=40, d_ff=13824, vocab_size=32000),
+    "llama3_70b": dict(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672,
+                       vocab_size=128256, rope_theta=500000.0),
+}
+
+
+# --------------------------------------------------------------------------------- loading/overrides
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _section_types().items() for f in fields(cls)]
+
+
+def _unknown(key: str, candidates: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(candidates)}"
+    return f"unknown config key '{where}': {hint}"
+
+
+def _coerce(key: str, raw: Any, tp: Any) -> Any:
+    """Turn a YAML/CLI value into the field's declared type, or raise ConfigError naming the key."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        value = str(raw) if not isinstance(raw, str) else raw
+        if value not in choices:
+            raise ConfigError(f"{key}={raw!r}: must be one of {', '.join(map(str, choices))}")
+        return value
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in ("true", "1", "yes", "on"):
+            return True
+        if s in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r}: must be true or false")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r}: must be an integer")
+        try:
+            f = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r}: must be an integer") from None
+        if not f.is_integer():
+            raise ConfigError(f"{key}={raw!r}: must be an integer")
+        return int(f)
+    if tp is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r}: must be a number") from None
+    if tp is str:
+        return "" if raw is None else str(raw)
+    raise TypeError(f"unsupported config field type {tp} for {key}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _parse_cli_value(text: str) -> Any:
+    # YAML parsing gives `1e-3` -> float, `true` -> bool, `[1,2]` -> list, and leaves words as str.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def build_config(file_values: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- model preset <- YAML mapping <- `section.key=value` overrides. Collects all errors."""
+    flat: dict[str, Any] = {}
+    problems: list[str] = []
+    sections = _section_types()
+    for section, values in (file_values or {}).items():
+        if section not in sections:
+            problems.append(_unknown(section, list(sections), section))
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"config section '{section}' must be a mapping of key: value, got {values!r}")
+            continue
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v
+    for item in overrides or []:
+        if "=" not in item:
+            problems.append(f"override '{item}' must look like section.key=value (e.g. train.steps=10)")
+            continue
+        k, v = item.split("=", 1)
+        flat[k.strip()] = _parse_cli_value(v)
+
+    # The preset first, so that explicit model fields override it.
+    preset = flat.get("model.preset", ModelConfig.preset)
+    model_values: dict[str, Any] = {}
+    if str(preset) not in PRESETS:
+        problems.append(f"model.preset={preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+    else:
+        model_values.update(PRESETS[str(preset)])
+
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    per_section["model"].update(model_values)
+    valid = all_keys()
+    for key, raw in flat.items():
+        section, _, name = key.partition(".")
+        if key not in valid:
+            problems.append(_unknown(key, valid, key))
+            continue
+        try:
+            per_section[section][name] = _coerce(key, raw, _field_types(sections[section])[name])
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+    return Config(**{s: sections[s](**per_section[s]) for s in sections})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    file_values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {str(path)!r}: no such file; configs/ holds the shipped ones")
+        try:
+            file_values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {str(path)!r}: not valid YAML ({e})") from None
+        if not isinstance(file_values, dict):
+            raise ConfigError(f"--config {str(path)!r}: top level must be a mapping of sections")
+    return build_config(file_values, overrides)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def help_text() -> str:
+    lines = []
+    for section, cls in _section_types().items():
+        types_ = _field_types(cls)
+        for f in fields(cls):
+            default = f.default
+            tp = types_[f.name]
+            kind = "|".join(map(str, get_args(tp))) if get_origin(tp) is Literal else tp.__name__
+            lines.append(f"  {section}.{f.name:<20} {kind:<28} default {default!r}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def resolve_mesh(mesh: MeshConfig, n_devices: int) -> tuple[dict[str, int], list[str]]:
+    """Fill the one -1 degree; return the degrees and any problems."""
+    degrees = {a: getattr(mesh, a) for a in MESH_AXES}
+    problems = []
+    free = [a for a, d in degrees.items() if d == -1]
+    bad = [a for a, d in degrees.items() if d == 0 or d < -1]
+    for a in bad:
+        problems.append(f"mesh.{a}={degrees[a]}: a degree must be >= 1 (or -1 for 'the rest')")
+    if len(free) > 1:
+        problems.append(f"mesh: only one degree may be -1, got {', '.join('mesh.' + a for a in free)}; "
+                        f"set all but one explicitly")
+    if bad or len(free) > 1:
+        return degrees, problems
+    fixed = math.prod(d for d in degrees.values() if d != -1)
+    if free:
+        if n_devices % fixed:
+            problems.append(f"mesh.{free[0]}=-1: the other degrees multiply to {fixed}, which does not divide "
+                            f"the {n_devices} devices; change them so their product divides {n_devices}")
+        else:
+            degrees[free[0]] = n_devices // fixed
+    elif fixed != n_devices:
+        shape = " x ".join(f"{a}={d}" for a, d in degrees.items() if d != 1) or "all 1"
+        problems.append(f"mesh: {shape} uses {fixed} devices but {n_devices} are visible; make the product "
+                        f"{n_devices}, or set one degree (e.g. mesh.fsdp) to -1")
+    return degrees, problems
+
+
+def padded_vocab(model: ModelConfig, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp so the logits shard evenly; pads are masked out."""
+    return -(-model.vocab_size // tp) * tp
+
+
+REMAT_FIXED = ("none", "full", "save_dots", "save_attn")
+
+
+def validate(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Check the config against itself and the device count; raise one ConfigError listing every problem.
+
+    Returns the resolved mesh degrees. Runs before any device work.
+    """
+    m, t, d = cfg.model, cfg.train, cfg.data
+    degrees, problems = resolve_mesh(cfg.mesh, n_devices)
+    ok_mesh = not problems
+    tp = degrees["tp"] if ok_mesh else max(cfg.mesh.tp, 1)
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            problems.append(msg)
+
+    for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        need(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)}: must be >= 1")
+    for name in ("steps", "global_batch", "grad_accum", "log_every"):
+        need(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)}: must be >= 1")
+    need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
+    if problems:
+        raise ConfigError(problems)
+
+    # Parallelism that later modules bring; refuse rather than silently run something else.
+    for axis, what in (("pp", "pipeline parallelism"), ("ep", "expert parallelism (MoE)"),
+                       ("cp", "context parallelism (ring attention)"), ("sp", "Ulysses sequence parallelism")):
+        if ok_mesh:
+            need(degrees[axis] == 1, f"mesh.{axis}={degrees[axis]}: {what} is not available in this version; "
+                                     f"set mesh.{axis}=1 and use dp/fsdp/tp")
+
+    # Attention heads over tp (Megatron): query heads split; kv heads split too, or replicated when fewer.
+    need(m.n_heads % m.n_kv_heads == 0, f"model.n_kv_heads={m.n_kv_heads}: must divide model.n_heads="
+                                        f"{m.n_heads} (grouped-query attention)")
+    need(m.head_dim > 0 or m.d_model % m.n_heads == 0,
+         f"model.d_model={m.d_model}: must be divisible by model.n_heads={m.n_heads}, or set model.head_dim")
+    need(m.n_heads % tp == 0, f"model.n_heads={m.n_heads}: must be divisible by mesh.tp={tp}; "
+                              f"choose a tp that divides {m.n_heads}")
+    need(m.n_kv_heads < tp or m.n_kv_heads % tp == 0,
+         f"model.n_kv_heads={m.n_kv_heads}: with mesh.tp={tp} it must be divisible by tp (or fewer than tp, "
+         f"then replicated); choose tp dividing {m.n_kv_heads}")
+    need(m.d_ff % tp == 0, f"model.d_ff={m.d_ff}: must be divisible by mesh.tp={tp}")
+    if ok_mesh:
+        fsdp = degrees["fsdp"]
+        need(m.d_model % fsdp == 0, f"model.d_model={m.d_model}: must be divisible by mesh.fsdp={fsdp} "
+                                    f"(fsdp shards the embed dimension)")
+        batch_split = degrees["dp"] * fsdp * t.grad_accum
+        need(t.global_batch % batch_split == 0,
+             f"train.global_batch={t.global_batch}: must be divisible by mesh.dp*mesh.fsdp*train.grad_accum = "
+             f"{degrees['dp']}*{fsdp}*{t.grad_accum} = {batch_split}")
+        seq_split = degrees["cp"] * degrees["sp"] * (tp if cfg.mesh.sequence_parallel else 1)
+        what = "mesh.cp*mesh.sp" + ("*mesh.tp (sequence_parallel)" if cfg.mesh.sequence_parallel else "")
+        need(d.seq_len % seq_split == 0, f"data.seq_len={d.seq_len}: must be divisible by {what} = {seq_split}")
+    need(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: must be 0, 1, 2 or 3")
+    need(t.remat in REMAT_FIXED or (t.remat.startswith("names:") and len(t.remat) > 6),
+         f"train.remat={t.remat!r}: must be one of {', '.join(REMAT_FIXED)} or names:<point>,... "
+         f"(points: {', '.join(CHECKPOINT_POINTS)})")
+    if t.remat.startswith("names:"):
+        for p in t.remat[6:].split(","):
+            need(p in CHECKPOINT_POINTS, f"train.remat={t.remat!r}: unknown point {p!r}; "
+                                         f"known: {', '.join(CHECKPOINT_POINTS)}")
+    need(t.schedule_steps == 0 or t.schedule_steps >= t.steps,
+         f"train.schedule_steps={t.schedule_steps}: must be >= train.steps={t.steps} (or 0 for the same)")
+    need(0 <= t.warmup_steps <= t.total_schedule_steps,
+         f"train.warmup_steps={t.warmup_steps}: must be between 0 and the schedule length {t.total_schedule_steps}")
+    need(t.lr > 0, f"train.lr={t.lr}: must be > 0")
+    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
+    need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping)")
+    need(t.max_nonfinite >= 1, f"train.max_nonfinite={t.max_nonfinite}: must be >= 1")
+    need(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0 disables saving)")
+    need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
+    if d.source == "file":
+        need(bool(d.path), "data.path is empty: data.source=file needs a token file (scripts/prepare_data.py "
+                           "makes one)")
+        need(not d.path or Path(d.path).is_file(), f"data.path={d.path!r}: no such file")
+    if problems:
+        raise ConfigError(problems)
+    return degrees
+
+
+# Names of the remat save points the model marks with checkpoint_name (model/transformer.py).
+CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out")
+
+
+def with_mesh(cfg: Config, degrees: dict[str, int]) -> Config:
+    """The config with the -1 degree filled in (what gets saved beside a checkpoint)."""
+    return replace(cfg, mesh=replace(cfg.mesh, **degrees))
+
+
+def cpu_default_overrides() -> list[str]:
+    """The embedded default on a CPU-only machine: 8 simulated devices as dp=2, fsdp=2, tp=2."""
+    return ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.steps=60", "train.log_every=5"]
+

@@ -1,0 +1,101 @@
+"""Throughput accounting (FLOPs, MFU, memory) and the run's outputs: a progress bar and metrics.jsonl.
+
+MFU = model FLOPs per second / peak, with model FLOPs = 6·N·tokens (dense forward + backward) plus
+6·L·T·D·tokens for causal attention (score and value matmuls, half of the T×T square). Recomputation
+is not counted: MFU measures useful work. N counts every parameter, embeddings included.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from meshtrain.config import ModelConfig
+
+# Dense bf16 peak per device, FLOP/s, by substring of jax's device_kind. None: no MFU is reported.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device: jax.Device) -> float | None:
+    return next((v for k, v in PEAK_FLOPS.items() if k in device.device_kind), None)
+
+
+def count_params(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def flops_per_token(model: ModelConfig, n_params: int, seq_len: int) -> float:
+    return 6.0 * n_params + 6.0 * model.n_layers * seq_len * model.n_heads * model.kv_dim
+
+
+def memory_in_use() -> dict[str, float]:
+    """GiB in use and peak on the first local device, where the backend reports it (GPUs do)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    gib = 2.0 ** 30
+    return {k: stats[s] / gib for k, s in (("mem_gib", "bytes_in_use"), ("peak_mem_gib", "peak_bytes_in_use"))
+            if s in stats}
+
+
+class MetricsLog:
+    """Writes one JSON object per logged step to <run.dir>/metrics.jsonl and drives the progress bar.
+
+    Only process 0 writes; every process computes the same numbers.
+    """
+
+    def __init__(self, run_dir: str, *, total_steps: int, first_step: int, progress: bool):
+        self.is_writer = jax.process_index() == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if self.is_writer:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        show_bar = progress and self.is_writer and sys.stderr.isatty()
+        self.bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step",
+                        dynamic_ncols=True, leave=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.is_writer:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+        self.bar.write(format_record(record), file=sys.stdout)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def format_record(r: dict[str, Any]) -> str:
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"gnorm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+             f"{r['tokens_per_s']:>10,.0f} tok/s", f"{r['step_time_s'] * 1e3:8.1f} ms/step"]
+    if r.get("mfu") is not None:
+        parts.append(f"{r['tflops_per_device']:.0f} TFLOP/s/dev  MFU {r['mfu'] * 100:.1f}%")
+    if "peak_mem_gib" in r:
+        parts.append(f"mem {r['mem_gib']:.1f}/{r['peak_mem_gib']:.1f} GiB")
+    if r.get("skipped"):
+        parts.append(f"skipped {r['skipped']} non-finite")
+    return "  ".join(parts)
+
+
+class Throughput:
+    """Wall time between log points; the first interval (compilation) is timed from its end."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.steps = 0
+
+    def restart(self) -> None:
+        self.t0, self.steps = time.perf_counter(), 0
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self.t0) / max(self.steps, 1)

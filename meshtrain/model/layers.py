@@ -1,0 +1,60 @@
+"""Building blocks of the decoder: parameters with logical names, RMSNorm, rotary embedding.
+
+Every parameter is created through `param()`, which attaches its logical axis names; the trainer
+reads them back (flax `get_partition_spec`) and maps them to mesh axes with the one rules table.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from meshtrain.precision import Precision
+
+
+def param(module: nn.Module, name: str, init: Callable, shape: Sequence[int], names: Sequence[str | None],
+          dtype: jnp.dtype) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, tuple(names)), tuple(shape), dtype)
+
+
+def scaled_normal(std: float) -> Callable:
+    return nn.initializers.normal(stddev=std)
+
+
+def rms_norm_jnp(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32 whatever the input dtype; the caller decides the output dtype."""
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * inv * scale.astype(jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    policy: Precision
+    impl: str = "reference"  # reference | pallas
+
+    @nn.compact
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        scale_d = param(self, "scale", nn.initializers.ones, (x_btd.shape[-1],), ("embed",), self.policy.param_dtype)
+        if self.impl == "pallas":
+            from meshtrain.model.kernels import pallas_rms_norm
+            return pallas_rms_norm(x_btd, scale_d, self.eps, self.policy.compute_dtype)
+        return rms_norm_jnp(x_btd, scale_d, self.eps).astype(self.policy.compute_dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin of the rotary angles, [T, E/2] fp32, for positions 0..T-1."""
+    inv_freq_f = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angle_tf = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_f[None, :]
+    return jnp.cos(angle_tf), jnp.sin(angle_tf)
+
+
+def apply_rope(x_bthe: jax.Array, cos_tf: jax.Array, sin_tf: jax.Array) -> jax.Array:
+    """Rotate halves (the Llama/HF layout: pairs are (i, i + E/2)), in fp32, back to the input dtype."""
+    half = x_bthe.shape[-1] // 2
+    x32 = x_bthe.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    cos, sin = cos_tf[None, :, None, :], sin_tf[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthe.dtype)

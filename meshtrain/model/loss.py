@@ -1,0 +1,37 @@
+"""Next-token cross-entropy, summed over tokens, with the count of tokens that carry a label.
+
+Returning (sum, count) instead of a mean lets gradient accumulation normalize by the total token
+count of the whole step, so k microbatches of m equal one batch of k*m exactly.
+Logits and softmax are fp32 whatever the compute dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.precision import Precision
+from meshtrain.sharding import ShardingRules
+
+IGNORE = -100  # label value that contributes no loss
+
+
+def cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, *, policy: Precision,
+                      rules: ShardingRules, vocab_size: int, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+    valid_bt = labels_bt >= 0
+    n_tokens = jnp.sum(valid_bt, dtype=jnp.float32)
+    if impl == "fused":
+        from meshtrain.model.kernels import fused_cross_entropy
+        loss_n = fused_cross_entropy(h_btd, head_dv, labels_bt, policy)
+        return jnp.sum(loss_n), n_tokens
+
+    logits_btv = policy.einsum("btd,dv->btv", h_btd, head_dv)
+    logits_btv = rules.constrain(logits_btv, ("batch", "act_seq", "act_vocab")).astype(jnp.float32)
+    vocab_ids_v = jnp.arange(logits_btv.shape[-1])
+    if logits_btv.shape[-1] != vocab_size:  # columns added to shard the vocabulary evenly over tp
+        logits_btv = jnp.where(vocab_ids_v < vocab_size, logits_btv, -jnp.inf)
+    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    # A masked sum instead of a gather keeps the vocab axis sharded: each tp shard reduces its own
+    # columns and one all-reduce of [B, T] finishes the job.
+    label_logit_bt = jnp.sum(jnp.where(vocab_ids_v == labels_bt[..., None], logits_btv, 0.0), axis=-1)
+    loss_bt = jnp.where(valid_bt, lse_bt - label_logit_bt, 0.0)
+    return jnp.sum(loss_bt), n_tokens

@@ -1,0 +1,103 @@
+"""Logical axis names and the one table that maps them to mesh axes.
+
+Model code names the logical axes of every parameter and of activations at block boundaries; this
+module is the only place that knows both vocabularies. Parameters use the short names, activations
+the `act_` names, because the two live on different mesh axes (under ZeRO-3 a weight's `embed` dim is
+sharded over fsdp while an activation's batch dim already is).
+
+ZeRO over the fsdp axis is the same parameter names mapped three ways:
+
+    zero_stage   parameters     gradients      optimizer state
+        0        replicated     replicated     replicated        (fsdp behaves like dp)
+        1        replicated     replicated     embed -> fsdp
+        2        replicated     embed -> fsdp  embed -> fsdp     (all-reduce becomes reduce-scatter)
+        3        embed -> fsdp  embed -> fsdp  embed -> fsdp     (FSDP: all-gather weights per layer)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MeshAxes = str | tuple[str, ...] | None
+LogicalNames = Sequence[str | None]
+
+
+def rules_table(*, fsdp_shards_weights: bool, sequence_parallel: bool,
+                kv_heads_on_tp: bool) -> dict[str, MeshAxes]:
+    """THE rules table: logical axis name -> mesh axes."""
+    return {
+        # Parameters (Megatron column/row split over tp; ZeRO over fsdp on the embed dim).
+        "vocab": "tp",
+        "embed": "fsdp" if fsdp_shards_weights else None,
+        "heads": "tp",
+        "kv_heads": "tp" if kv_heads_on_tp else None,  # fewer kv heads than tp: replicated (Megatron)
+        "head_dim": None,
+        "mlp": "tp",
+        "layers": None,
+        # Activations.
+        "batch": ("dp", "fsdp"),
+        # Residual stream between blocks; Megatron SP also splits it over tp.
+        "act_res_seq": ("cp", "sp", "tp") if sequence_parallel else ("cp", "sp"),
+        "act_seq": "cp",  # inside attention/MLP, where tp holds heads or ffn columns
+        "act_embed": None,
+        "act_heads": "tp",
+        "act_kv_heads": "tp" if kv_heads_on_tp else None,
+        "act_mlp": "tp",
+        "act_vocab": "tp",
+    }
+
+
+@dataclass(frozen=True)
+class ShardingRules:
+    """A mesh plus a rules table: turns logical names into PartitionSpecs and shardings."""
+
+    mesh: Mesh
+    table: tuple[tuple[str, MeshAxes], ...]  # a tuple, not a dict, so the rules stay hashable
+
+    @classmethod
+    def create(cls, mesh: Mesh, table: Mapping[str, MeshAxes]) -> "ShardingRules":
+        return cls(mesh, tuple(table.items()))
+
+    def spec(self, names: LogicalNames) -> P:
+        lookup = dict(self.table)
+        axes = []
+        for n in names:
+            if n is not None and n not in lookup:
+                raise KeyError(f"logical axis {n!r} has no rule; known: {sorted(lookup)}")
+            axes.append(None if n is None else lookup[n])
+        return P(*axes)
+
+    def sharding(self, names: LogicalNames) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(names))
+
+    def constrain(self, x: jax.Array, names: LogicalNames) -> jax.Array:
+        """Pin an activation's layout at a block boundary (a no-op on one device)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(names))
+
+    def tree_shardings(self, logical_tree: Any) -> Any:
+        """Map a tree of logical PartitionSpecs (from the model's param metadata) to NamedShardings."""
+        return jax.tree.map(lambda s: self.sharding(tuple(s)), logical_tree,
+                            is_leaf=lambda x: isinstance(x, P))
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """The three rules views of one mesh under a ZeRO stage (see the module docstring)."""
+
+    params: ShardingRules
+    grads: ShardingRules
+    opt_state: ShardingRules
+
+
+def make_rules(mesh: Mesh, *, zero_stage: int, sequence_parallel: bool, n_kv_heads: int) -> ZeroLayout:
+    tp = mesh.shape["tp"]
+    base = dict(sequence_parallel=sequence_parallel, kv_heads_on_tp=n_kv_heads % tp == 0)
+    view = lambda shard: ShardingRules.create(mesh, rules_table(fsdp_shards_weights=shard, **base))  # noqa: E731
+    return ZeroLayout(params=view(zero_stage >= 3), grads=view(zero_stage >= 2), opt_state=view(zero_stage >= 1))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

@@ -1,0 +1,150 @@
+"""The training state and the jitted step: pure, explicitly sharded, state donated.
+
+One step = scan over `grad_accum` microbatches (loss and gradient summed over tokens), divide by the
+step's total token count, clip, AdamW. A step whose loss or gradient norm is not finite leaves the
+parameters and optimizer state untouched and is counted; the host decides when to give up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from meshtrain.config import Config, padded_vocab
+from meshtrain.model.loss import cross_entropy_sum
+from meshtrain.model.transformer import Decoder
+from meshtrain.optim import lr_schedule, make_optimizer
+from meshtrain.precision import Precision
+from meshtrain.sharding import ZeroLayout, make_rules, replicated
+
+BATCH = (None, "batch", None)  # tokens [A microbatches, B/A sequences, T+1]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32: optimizer steps taken, also the data position (batch = f(seed, step))
+    params: Any
+    opt_state: Any
+    nonfinite_run: jax.Array  # int32: consecutive skipped steps (reset by a finite one)
+    nonfinite_total: jax.Array  # int32: all skipped steps
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the step needs that is derived once from the config and the mesh."""
+
+    cfg: Config
+    mesh: Mesh
+    layout: ZeroLayout
+    model: Decoder
+    optimizer: optax.GradientTransformation
+    state_shardings: TrainState
+    grad_shardings: Any  # params-shaped: where gradients live (ZeRO-2/3: sharded over fsdp)
+    batch_sharding: NamedSharding
+
+    @property
+    def micro_batch(self) -> int:
+        return self.cfg.train.global_batch // self.cfg.train.grad_accum
+
+    @property
+    def batch_shape(self) -> tuple[int, int, int]:
+        return self.cfg.train.grad_accum, self.micro_batch, self.cfg.data.seq_len + 1
+
+
+def build_setup(cfg: Config, mesh: Mesh) -> Setup:
+    policy = Precision.from_names(cfg.precision.compute, cfg.precision.params)
+    layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
+                        n_kv_heads=cfg.model.n_kv_heads)
+    model = Decoder(cfg.model, policy, layout.params, padded_vocab(cfg.model, mesh.shape["tp"]), cfg.train.remat)
+    optimizer = make_optimizer(cfg.train)
+
+    tokens_spec = jax.ShapeDtypeStruct((cfg.train.global_batch // cfg.train.grad_accum, cfg.data.seq_len), jnp.int32)
+    # Shapes and logical names only: nothing is computed or allocated here.
+    boxed = jax.eval_shape(model.init, jax.random.key(0), tokens_spec)["params"]
+    logical = nn.get_partition_spec(boxed)
+    param_sh = layout.params.tree_shardings(logical)
+    opt_param_sh = layout.opt_state.tree_shardings(logical)
+    abstract_opt = jax.eval_shape(optimizer.init, nn.unbox(boxed))
+    # Optimizer moments mirror the params (ZeRO-1 layout); scalars such as the step count replicate.
+    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_opt, opt_param_sh,
+                                   transform_non_params=lambda _: replicated(mesh))
+    rep = replicated(mesh)
+    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, nonfinite_run=rep, nonfinite_total=rep)
+    return Setup(cfg, mesh, layout, model, optimizer, state_sh, layout.grads.tree_shardings(logical),
+                 layout.params.sharding(BATCH))
+
+
+def init_state(setup: Setup) -> TrainState:
+    """Parameters drawn from `train.seed`, created already sharded (identical on any mesh)."""
+
+    def init(key):
+        tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
+        params = nn.unbox(setup.model.init(key, tokens)["params"])
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, opt_state=setup.optimizer.init(params),
+                          nonfinite_run=zero, nonfinite_total=zero)
+
+    with setup.mesh:
+        return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
+
+
+def make_grad_fn(setup: Setup) -> Callable[[Any, jax.Array], tuple[Any, jax.Array, jax.Array]]:
+    """(params, tokens [A, m, T+1]) -> (gradient sum, loss sum, token count), summed over microbatches."""
+    cfg = setup.cfg
+
+    def loss_sum(params, tokens_bt1):
+        h_btd, head_dv = setup.model.apply({"params": params}, tokens_bt1[:, :-1])
+        return cross_entropy_sum(h_btd, head_dv, tokens_bt1[:, 1:], policy=setup.model.policy,
+                                 rules=setup.layout.params, vocab_size=cfg.model.vocab_size, impl=cfg.model.loss)
+
+    def micro(params, tokens_bt1):
+        (loss, n), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, tokens_bt1)
+        # ZeRO-2/3: gradients leave the backward pass reduce-scattered over fsdp, not all-reduced.
+        return jax.lax.with_sharding_constraint(grads, setup.grad_shardings), loss, n
+
+    def grad_fn(params, tokens_abt1):
+        if tokens_abt1.shape[0] == 1:
+            return micro(params, tokens_abt1[0])
+
+        def body(acc, tokens_bt1):
+            grads, loss, n = micro(params, tokens_bt1)
+            return jax.tree.map(jnp.add, acc, (grads, loss, n)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        acc, _ = jax.lax.scan(body, zeros, tokens_abt1)
+        return acc
+
+    return grad_fn
+
+
+def make_train_step(setup: Setup) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """The jitted step: (state, tokens [A, m, T+1]) -> (state, metrics). The input state is donated."""
+    grad_fn = make_grad_fn(setup)
+    schedule = lr_schedule(setup.cfg.train)
+
+    def step(state: TrainState, tokens_abt1: jax.Array) -> tuple[TrainState, dict]:
+        grad_sum, loss_sum, n_tokens = grad_fn(state.params, tokens_abt1)
+        grads = jax.tree.map(lambda g: g / n_tokens, grad_sum)
+        loss = loss_sum / n_tokens
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        applied = state.step - state.nonfinite_total  # the optimizer's own count: skipped steps don't move it
+        new_state = TrainState(
+            step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+            nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
+            nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32))
+        metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(applied), finite=finite, tokens=n_tokens,
+                       nonfinite_run=new_state.nonfinite_run)
+        return new_state, metrics
+
+    return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                   out_shardings=(setup.state_shardings, replicated(setup.mesh)), donate_argnums=0)

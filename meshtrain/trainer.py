@@ -1,0 +1,145 @@
+"""The training loop: restore or init, then step, log, checkpoint until `train.steps`.
+
+The host never waits on the step it just dispatched: it reads the previous step's small metrics
+(one step late), so the device always has the next step queued. Logging, checkpointing and the
+non-finite check all run on that lagged view.
+"""
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from meshtrain.checkpoint import Checkpointer, abstract_state
+from meshtrain.config import Config
+from meshtrain.data import Batches
+from meshtrain.metrics import MetricsLog, Throughput, count_params, flops_per_token, memory_in_use, peak_flops
+from meshtrain.train_step import Setup, TrainState, build_setup, init_state, make_train_step
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclass
+class RunResult:
+    final_step: int
+    resumed_from: int | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    stopped_by_signal: bool = False
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT ask the loop to save and stop after the current step (preemption)."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.raised:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState, int | None]:
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is None:
+        return init_state(setup), None
+    shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
+    return ckpt.restore(latest, abstract_state(setup.state_shardings, shapes)), latest
+
+
+def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
+    t = cfg.train
+    setup = build_setup(cfg, mesh)
+    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=t.global_batch,
+                      grad_accum=t.grad_accum, seed=t.seed, sharding=setup.batch_sharding)
+    use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
+    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save) \
+        if use_ckpt else None
+    state, resumed = restore_or_init(setup, ckpt)
+    start = int(state.step)
+    result = RunResult(final_step=start, resumed_from=resumed)
+    if start >= t.steps:
+        print(f"checkpoint at step {start} already reaches train.steps={t.steps}; nothing to do")
+        return result
+
+    step_fn = make_train_step(setup)
+    n_params = count_params(state.params)
+    tokens_per_step = t.global_batch * cfg.data.seq_len
+    flops_step = flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens_per_step
+    peak = peak_flops(mesh.devices.flat[0])
+    n_dev = mesh.devices.size
+    log = MetricsLog(cfg.run.dir, total_steps=t.steps, first_step=start, progress=cfg.run.progress)
+    if jax.process_index() == 0:
+        where = f"resumed from step {resumed}" if resumed is not None else "fresh start"
+        print(f"meshtrain: {n_params / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step, {where}", flush=True)
+
+    timer = Throughput()
+    pending: tuple[int, dict] | None = None  # (step number, device metrics) not yet read by the host
+
+    def read(step_no: int, metrics: dict) -> None:
+        m = jax.device_get(metrics)
+        if int(m["nonfinite_run"]) >= t.max_nonfinite:
+            raise NonFiniteError(
+                f"step {step_no}: {int(m['nonfinite_run'])} consecutive steps had a non-finite loss or gradient "
+                f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. Lower "
+                f"train.lr, raise train.warmup_steps, or check the data.")
+        if step_no % t.log_every == 0 or step_no == t.steps:
+            dt = timer.seconds_per_step()
+            rec = dict(step=step_no, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]), lr=float(m["lr"]),
+                       tokens_per_s=tokens_per_step / dt, step_time_s=dt,
+                       tflops_per_device=flops_step / dt / n_dev / 1e12,
+                       mfu=(flops_step / dt / n_dev / peak) if peak else None, skipped=int(m["nonfinite_run"]),
+                       **memory_in_use())
+            log.log(rec)
+            result.records.append(rec)
+            timer.restart()
+
+    with _StopFlag() as stop:
+        try:
+            for step in range(start, t.steps):
+                state, metrics = step_fn(state, batches.batch(step))
+                if step == start:  # the first call compiles: keep it out of the throughput numbers
+                    jax.block_until_ready(metrics)
+                    timer.restart()
+                timer.tick()
+                if pending is not None:
+                    read(*pending)
+                pending = (step + 1, metrics)
+                log.advance()
+                done = step + 1
+                if ckpt and cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == t.steps):
+                    ckpt.save(done, state, cfg.to_dict())
+                if stop.raised:
+                    break
+            if pending is not None:
+                read(*pending)
+            result.final_step = int(state.step)
+            if stop.raised:
+                result.stopped_by_signal = True
+                if ckpt and result.final_step not in ckpt.all_steps():
+                    ckpt.save(result.final_step, state, cfg.to_dict())
+                print(f"stopped by signal after step {result.final_step}"
+                      f"{'; checkpoint saved' if ckpt else ''}", flush=True)
+        finally:
+            log.close()
+            if ckpt:
+                ckpt.wait()
+                ckpt.close()
+    return result
