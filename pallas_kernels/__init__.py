@@ -1,10 +1,19 @@
 """Pallas kernels for meshtrain (imports jax only). Each kernel has a jnp reference beside it."""
 from pallas_kernels.attention_plan import FlashAttentionBlockSizes
 from pallas_kernels.attention_reference import flash_attention_reference
+from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
+                                          linear_cross_entropy_reference)
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.rms_norm import RmsNormBlockSizes, rms_norm, rms_norm_reference
 
 __all__ = [
     "FlashAttentionBlockSizes",
+    "LinearCrossEntropyBlockSizes",
+    "RmsNormBlockSizes",
     "flash_attention",
     "flash_attention_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "rms_norm",
+    "rms_norm_reference",
 ]

@@ -1,0 +1,98 @@
+"""rms_norm (Pallas, interpret mode on the CPU) against the jnp reference.
+
+Tolerances (relative L2 error): fp32 1e-5 (same fp32 math, only reduction order differs);
+bf16 1e-2 (the kernel adds ds to dx in fp32 and rounds once; the reference rounds the norm's
+gradient and the sum separately: one extra bf16 rounding, 2^-8 relative).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import RmsNormBlockSizes, rms_norm, rms_norm_reference
+
+SMALL = RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=4)
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30)
+
+
+def _run(fn, x, r, w, cts, with_res):
+    def f(x, r, w):
+        out, vjp = jax.vjp(lambda x, r, w: fn(x, w, residual=r if with_res else None), x, r, w)
+        return out, vjp(cts)
+    return jax.jit(f)(x, r, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("with_res", [False, True])
+@pytest.mark.parametrize("shape", [(3, 13, 96), (40, 64)])  # 39 rows (not a block multiple), D not 2^k
+def test_matches_reference(dtype, with_res, shape):
+    ks = jax.random.split(jax.random.PRNGKey(sum(shape) + with_res), 5)
+    x = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    r = jax.random.normal(ks[1], shape, jnp.float32).astype(dtype)
+    w = (1.0 + 0.2 * jax.random.normal(ks[2], shape[-1:], jnp.float32)).astype(dtype)
+    dy = jax.random.normal(ks[3], shape, jnp.float32).astype(dtype)
+    ds = jax.random.normal(ks[4], shape, jnp.float32).astype(dtype)
+    cts = (dy, ds) if with_res else dy
+    kern = lambda x, w, residual: rms_norm(x, w, residual=residual, block_sizes=SMALL, interpret=True)
+    out, grads = _run(kern, x, r, w, cts, with_res)
+    out_ref, grads_ref = _run(rms_norm_reference, x, r, w, cts, with_res)
+    outs, outs_ref = jax.tree.leaves(out), jax.tree.leaves(out_ref)
+    assert len(outs) == (2 if with_res else 1)
+    names = ["y", "s"][:len(outs)] + ["dx", "dresidual", "dw"]
+    grads, grads_ref = list(grads), list(grads_ref)
+    if not with_res:  # residual unused: the reference's cotangent is zeros, the kernel's None->zeros
+        grads, grads_ref = [grads[0], grads[2]], [grads_ref[0], grads_ref[2]]
+        names = ["y", "dx", "dw"]
+    for name, g, want in zip(names, outs + grads, outs_ref + grads_ref):
+        assert g.shape == want.shape and g.dtype == want.dtype, (name, g.shape, want.shape)
+        assert np.isfinite(np.asarray(g, np.float32)).all(), name
+        err = _rel(g, want)
+        assert err < TOL[dtype], f"{name}: relative error {err:.2e}"
+
+
+def test_default_block_sizes_and_eps():
+    x = jax.random.normal(jax.random.PRNGKey(0), (70, 128), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (128,), jnp.float32)
+    got = rms_norm(x, w, eps=1e-3, interpret=True)
+    assert _rel(got, rms_norm_reference(x, w, eps=1e-3)) < 1e-5
+    assert _rel(got, rms_norm_reference(x, w, eps=1e-6)) > 1e-6  # eps is honoured
+
+
+@pytest.mark.parametrize("x_shape,w_shape,r_shape,match", [
+    ((4, 8), (7,), None, r"w must have shape \(D,\) = \(8,\).*got w.shape=\(7,\)"),
+    ((4, 8), (8,), (4, 9), r"residual.shape=\(4, 9\) must equal x.shape=\(4, 8\)"),
+])
+def test_bad_shapes_raise(x_shape, w_shape, r_shape, match):
+    r = None if r_shape is None else jnp.ones(r_shape)
+    with pytest.raises(ValueError, match=match):
+        rms_norm(jnp.ones(x_shape), jnp.ones(w_shape), residual=r, interpret=True)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="eps must be > 0; got 0"):
+        rms_norm(jnp.ones((4, 8)), jnp.ones((8,)), eps=0, interpret=True)
+    with pytest.raises(ValueError, match="int32"):
+        rms_norm(jnp.ones((4, 8), jnp.int32), jnp.ones((8,)), interpret=True)
+    with pytest.raises(ValueError, match="block_rows must be a power of two; got 3"):
+        RmsNormBlockSizes(block_rows=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_res", [False, True])
+def test_gpu_matches_reference(with_res):
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    shape = (4096, 2048)
+    x, r, dy, ds = (jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in ks[:4])
+    w = (1.0 + 0.2 * jax.random.normal(ks[4], (2048,))).astype(jnp.bfloat16)
+    cts = (dy, ds) if with_res else dy
+    out, grads = _run(rms_norm, x, r, w, cts, with_res)
+    out_ref, grads_ref = _run(rms_norm_reference, x, r, w, cts, with_res)
+    for g, want in zip(jax.tree.leaves((out, grads)), jax.tree.leaves((out_ref, grads_ref))):
+        if not np.asarray(want, np.float32).any():
+            continue  # residual cotangent without residual: zeros on both sides
+        assert _rel(g, want) < 1e-2
