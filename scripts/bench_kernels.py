@@ -1,0 +1,209 @@
+"""Benchmark the pallas_kernels on one GPU against cuDNN / plain XLA; prints one table, writes JSON.
+
+  PYTHONPATH=. python3 scripts/bench_kernels.py --out results.json [--quick] [--sweep]
+
+Timing: each function is jitted and warmed up (compile + 2 runs); then `--batches` batches of
+`--calls` back-to-back asynchronous calls are timed on the host clock, each batch ended by
+block_until_ready; the figure is the median over batches of batch time / calls. Inputs are
+random normal (never zeros), and calls alternate between two input sets so no input sits in L2.
+FLOPs: attention fwd 4*B*H*T*S*E (halved when causal), fwd+bwd 3.5x fwd. Bytes: the minimum
+traffic (each input read once, each output written once). Memory: the compiled program's
+`memory_analysis()` temp bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import (FlashAttentionBlockSizes, flash_attention, flash_attention_reference,
+                            linear_cross_entropy, linear_cross_entropy_reference, rms_norm,
+                            rms_norm_reference)
+
+warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 warns at every Triton lowering
+
+
+def bench(fn, input_sets, *, calls: int, batches: int) -> float:
+    """Median seconds per call of an already-jitted fn, alternating between input sets."""
+    for args in input_sets:
+        jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*input_sets[0]))
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*input_sets[i % len(input_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def temp_bytes(fn, *args):
+    try:
+        return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # memory_analysis is not available on every backend/version
+        return None
+
+
+def randn(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def attention_rows(args, results):
+    shapes = [(4, 4096, 16, 16, 128, True), (4, 4096, 16, 16, 128, False),
+              (1, 16384, 16, 16, 128, True), (1, 16384, 16, 16, 128, False),
+              (4, 4096, 16, 4, 128, True)]
+    if args.quick:
+        shapes = [shapes[0], shapes[4]]
+    impls = {
+        "pallas": lambda causal, bs: functools.partial(flash_attention, causal=causal, block_sizes=bs),
+        "cudnn": lambda causal, bs: functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                      implementation="cudnn"),
+        "xla_ref": lambda causal, bs: functools.partial(flash_attention_reference, causal=causal),
+    }
+    configs = [("default", None)]
+    if args.sweep:
+        configs += [
+            ("f128x128", FlashAttentionBlockSizes(block_k=128)),
+            ("b_w4", FlashAttentionBlockSizes(num_warps_bwd=4)),
+            ("b_dkv32x128_dq128x32", FlashAttentionBlockSizes(block_q_dkv=32, block_k_dkv=128,
+                                                               block_q_dq=128, block_k_dq=32)),
+            ("b_st3", FlashAttentionBlockSizes(num_stages_bwd=3)),
+        ]
+    for b, s, h, kh, e, causal in shapes:
+        flops_fwd = 4 * b * h * s * s * e / (2 if causal else 1)
+        sets = []
+        for seed in range(2):
+            ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+            sets.append((randn(ks[0], (b, s, h, e), jnp.bfloat16), randn(ks[1], (b, s, kh, e), jnp.bfloat16),
+                         randn(ks[2], (b, s, kh, e), jnp.bfloat16), randn(ks[3], (b, s, h, e), jnp.bfloat16)))
+        for impl, make in impls.items():
+            if impl == "xla_ref" and s > 8192:
+                continue  # [B, H, S, S] fp32 scores: 17 GB per copy at S=16384
+            for cname, bs in (configs if (impl == "pallas" and (b, s, kh, causal) == (4, 4096, 16, True))
+                              else configs[:1]):
+                fn = make(causal, bs)
+                name = f"attn {'causal' if causal else 'full'} B{b} S{s} H{h} K{kh} E{e} {impl}"
+                if cname != "default":
+                    name += f" [{cname}]"
+                fwd = jax.jit(lambda q, k, v, do, fn=fn: fn(q, k, v))
+                fwdbwd = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
+                for mode, f, flops in (("fwd", fwd, flops_fwd), ("fwd+bwd", fwdbwd, 3.5 * flops_fwd)):
+                    row = {"kernel": "attention", "name": name, "mode": mode}
+                    try:
+                        t = bench(f, sets, calls=args.calls, batches=args.batches)
+                        row.update(ms=t * 1e3, tflops=flops / t / 1e12)
+                    except Exception as exc:  # keep going: one failing variant must not hide the rest
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                        traceback.print_exc(limit=2)
+                    results.append(row)
+                    print(fmt(row), flush=True)
+
+
+def rms_rows(args, results):
+    n, d = 16384, 2048
+    elt = 2
+    sets = []
+    for seed in range(2):
+        ks = jax.random.split(jax.random.PRNGKey(10 + seed), 5)
+        sets.append((randn(ks[0], (n, d), jnp.bfloat16), randn(ks[1], (n, d), jnp.bfloat16),
+                     randn(ks[2], (d,), jnp.bfloat16, 0.1) + 1, randn(ks[3], (n, d), jnp.bfloat16),
+                     randn(ks[4], (n, d), jnp.bfloat16)))
+    copy = jax.jit(lambda x, r, w, dy, ds: x * 2)
+    t = bench(copy, sets, calls=args.calls * 4, batches=args.batches)
+    row = {"kernel": "copy", "name": f"copy (x*2) {n}x{d} bf16", "mode": "fwd", "ms": t * 1e3,
+           "gbps": 2 * n * d * elt / t / 1e9}
+    results.append(row)
+    print(fmt(row), flush=True)
+    for impl, fn in (("pallas", rms_norm), ("jnp", rms_norm_reference)):
+        fwd = jax.jit(lambda x, r, w, dy, ds, fn=fn: fn(x, w, residual=r))
+        fwdbwd = jax.jit(lambda x, r, w, dy, ds, fn=fn: jax.vjp(
+            lambda x, r, w: fn(x, w, residual=r), x, r, w)[1]((dy, ds)))
+        # fwd: read x, r; write y, s. bwd: read s, dy, ds; write dx (dresidual is the same array).
+        for mode, f, nbytes in (("fwd", fwd, 4 * n * d * elt), ("fwd+bwd", fwdbwd, 8 * n * d * elt)):
+            row = {"kernel": "rms_norm", "name": f"rms_norm+residual {n}x{d} bf16 {impl}", "mode": mode}
+            try:
+                t = bench(f, sets, calls=args.calls * 4, batches=args.batches)
+                row.update(ms=t * 1e3, gbps=nbytes / t / 1e9, temp_mib=_mib(temp_bytes(f, *sets[0])))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc(limit=2)
+            results.append(row)
+            print(fmt(row), flush=True)
+
+
+def ce_rows(args, results):
+    n, d, v = 16384, 2048, 32000
+    sets = []
+    for seed in range(2):
+        ks = jax.random.split(jax.random.PRNGKey(20 + seed), 4)
+        sets.append((randn(ks[0], (n, d), jnp.bfloat16), randn(ks[1], (d, v), jnp.bfloat16, d ** -0.5),
+                     jax.random.randint(ks[2], (n,), 0, v), jax.random.normal(ks[3], (n,), jnp.float32)))
+    flops = 3 * 2 * n * d * v  # the useful work: logits, dh, dw
+    for impl, fn in (("blocked", linear_cross_entropy), ("jnp", linear_cross_entropy_reference)):
+        f = jax.jit(lambda h, w, l, g, fn=fn: jax.vjp(lambda h, w: fn(h, w, l), h, w)[1](g))
+        row = {"kernel": "cross_entropy", "name": f"linear_ce N{n} D{d} V{v} bf16 {impl}", "mode": "loss+grads"}
+        try:
+            t = bench(f, sets, calls=max(2, args.calls // 4), batches=args.batches)
+            row.update(ms=t * 1e3, tflops=flops / t / 1e12, temp_mib=_mib(temp_bytes(f, *sets[0])))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            traceback.print_exc(limit=2)
+        results.append(row)
+        print(fmt(row), flush=True)
+
+
+def _mib(x):
+    return None if x is None else x / 2 ** 20
+
+
+def fmt(row):
+    if "error" in row:
+        return f"{row['name']:<58} {row['mode']:<10} ERROR {row['error'][:120]}"
+    parts = [f"{row['name']:<58} {row['mode']:<10} {row['ms']:9.3f} ms"]
+    if "tflops" in row:
+        parts.append(f"{row['tflops']:7.1f} TFLOP/s")
+    if "gbps" in row:
+        parts.append(f"{row['gbps']:7.0f} GB/s")
+    if row.get("temp_mib") is not None:
+        parts.append(f"temp {row['temp_mib']:9.1f} MiB")
+    return "  ".join(parts)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_kernels.json")
+    p.add_argument("--quick", action="store_true", help="one attention shape each of MHA/GQA")
+    p.add_argument("--sweep", action="store_true", help="also try a few attention block configs")
+    p.add_argument("--only", default="attention,rms_norm,cross_entropy")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--batches", type=int, default=7)
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    meta = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "args": vars(args)}
+    print(meta, flush=True)
+    results = []
+    only = args.only.split(",")
+    for name, fn in (("attention", attention_rows), ("rms_norm", rms_rows), ("cross_entropy", ce_rows)):
+        if name in only:
+            fn(args, results)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print("\n==== summary", meta["device"], "jax", meta["jax"], meta["date"])
+    for row in results:
+        print(fmt(row))
+
+
+if __name__ == "__main__":
+    main()
