@@ -59,22 +59,25 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, bk: int, group: int):
     scale = plan.sm_scale * LOG2E
     lo, mid, hi = q_loop_bounds(plan, k_start, bq, bk)
 
+    # Work in the transposed orientation [bk, bq] (s^T = k q^T): p^T and ds^T are then the A
+    # operands of the dV/dK matmuls as they sit in registers; only loaded tiles get transposed.
     def body(qb, carry, g: int, masked: bool):
         dk, dv = carry
         q_start = qb * bq
         qs = pl.ds(q_start, bq)
         q = q_ref[qs, g, :]
         do = do_ref[qs, g, :]
-        s = dot(q, k, trans_b=True) * scale
+        s_t = dot(k, q, trans_b=True) * scale
         if masked:
             q_seg = qseg_ref[qs] if plan.has_seg else None
-            mask = block_mask(plan, q_start, k_start, bq, bk, q_seg, k_seg, kv_valid=False)
-            s = jnp.where(mask, s, -jnp.inf)
-        p = jnp.exp2(s - lse2_ref[g, qs][:, None])
-        dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
-        dp = dot(do, v, trans_b=True)
-        ds = p * (dp - delta_ref[g, qs][:, None])
-        dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+            mask = block_mask(plan, q_start, k_start, bq, bk, q_seg, k_seg, kv_valid=False,
+                              transposed=True)
+            s_t = jnp.where(mask, s_t, -jnp.inf)
+        p_t = jnp.exp2(s_t - lse2_ref[g, qs][None, :])
+        dv = dv + dot(p_t.astype(do.dtype), do)
+        dp_t = dot(v, do, trans_b=True)
+        ds_t = p_t * (dp_t - delta_ref[g, qs][None, :])
+        dk = dk + dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
     carry = (jnp.zeros((bk, e), jnp.float32), jnp.zeros((bk, e), jnp.float32))
@@ -129,7 +132,6 @@ def attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Attention
     group = h // kh
     bs = plan.blocks
     delta, lse2 = _preprocess(o, do, lse, dlse, plan)
-    params = triton_params(bs.num_warps_bwd, bs.num_stages_bwd)
 
     bq, bk = bs.block_q_dkv, bs.block_k_dkv
     grp_rows = pl.BlockSpec((None, t_pad, group, e), lambda j, bi, ki: (bi, 0, ki, 0))
@@ -145,7 +147,8 @@ def attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Attention
         functools.partial(_dkdv_kernel, plan=plan, bq=bq, bk=bk, group=group),
         grid=(s_pad // bk, b, kh), in_specs=in_specs, out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params, interpret=plan.interpret, name="flash_attention_bwd_dkdv",
+        compiler_params=triton_params(bs.num_warps_dkdv, bs.num_stages_dkdv), interpret=plan.interpret,
+        name="flash_attention_bwd_dkdv",
     )(*args)
 
     bq, bk = bs.block_q_dq, bs.block_k_dq
@@ -163,6 +166,7 @@ def attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: Attention
         functools.partial(_dq_kernel, plan=plan, bq=bq, bk=bk),
         grid=(nq, b, h), in_specs=in_specs, out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params, interpret=plan.interpret, name="flash_attention_bwd_dq",
+        compiler_params=triton_params(bs.num_warps_dq, bs.num_stages_dq), interpret=plan.interpret,
+        name="flash_attention_bwd_dq",
     )(*args)
     return dq, dk, dv

@@ -27,21 +27,24 @@ class FlashAttentionBlockSizes:
     """
     block_q: int = 128
     block_k: int = 64
-    block_q_dkv: int = 64
+    block_q_dkv: int = 32
     block_k_dkv: int = 128
     block_q_dq: int = 128
-    block_k_dq: int = 64
+    block_k_dq: int = 32
     num_warps_fwd: int = 8
     num_stages_fwd: int = 3
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
+    num_warps_dkdv: int = 8
+    num_stages_dkdv: int = 2
+    num_warps_dq: int = 8
+    num_stages_dq: int = 2
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
             val = getattr(self, f)
             if not is_pow2(val) or val < 16:
                 raise ValueError(f"FlashAttentionBlockSizes.{f} must be a power of two >= 16; got {val!r}")
-        for f in ("num_warps_fwd", "num_warps_bwd", "num_stages_fwd", "num_stages_bwd"):
+        for f in ("num_warps_fwd", "num_stages_fwd", "num_warps_dkdv", "num_stages_dkdv",
+                  "num_warps_dq", "num_stages_dq"):
             val = getattr(self, f)
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"FlashAttentionBlockSizes.{f} must be a positive int; got {val!r}")
@@ -51,11 +54,12 @@ class FlashAttentionBlockSizes:
         """Defaults that fit shared memory and registers for the given (padded) head dim."""
         if head_dim <= 64:
             return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=128, block_q_dq=128,
-                       block_k_dq=64, num_warps_fwd=4, num_stages_fwd=3, num_warps_bwd=4)
+                       block_k_dq=64, num_warps_fwd=4, num_stages_fwd=3, num_warps_dkdv=4,
+                       num_warps_dq=4)
         if head_dim <= 128:
             return cls()
         return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
-                   block_k_dq=32, num_warps_fwd=8, num_stages_fwd=2, num_warps_bwd=8, num_stages_bwd=1)
+                   block_k_dq=32, num_warps_fwd=8, num_stages_fwd=2, num_stages_dkdv=1, num_stages_dq=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +114,13 @@ def q_loop_bounds(plan: AttentionPlan, k_start, bq: int, bk: int):
     return lo, mid, hi
 
 
-def block_mask(plan: AttentionPlan, q_start, k_start, bq: int, bk: int, q_seg, k_seg, kv_valid: bool):
-    """[bq, bk] bool (True = attend) for a block pair; only the parts the plan needs are built."""
-    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)[:, None]
-    k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)[None, :]
+def block_mask(plan: AttentionPlan, q_start, k_start, bq: int, bk: int, q_seg, k_seg, kv_valid: bool,
+               transposed: bool = False):
+    """[bq, bk] bool (True = attend) for a block pair, [bk, bq] if transposed; only the parts the
+    plan needs are built."""
+    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
+    k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
+    q_pos, k_pos = (q_pos[None, :], k_pos[:, None]) if transposed else (q_pos[:, None], k_pos[None, :])
     mask = None
     if plan.causal:
         mask = k_pos <= q_pos + plan.offset
@@ -121,8 +128,8 @@ def block_mask(plan: AttentionPlan, q_start, k_start, bq: int, bk: int, q_seg, k
         valid = k_pos < plan.s_real
         mask = valid if mask is None else mask & valid
     if q_seg is not None:
-        seg = q_seg[:, None] == k_seg[None, :]
+        seg = (q_seg[None, :] == k_seg[:, None]) if transposed else (q_seg[:, None] == k_seg[None, :])
         mask = seg if mask is None else mask & seg
     if mask is None:  # nothing to mask, but the caller asked for a masked block
-        mask = jnp.ones((bq, bk), jnp.bool_)
+        mask = jnp.ones((bk, bq) if transposed else (bq, bk), jnp.bool_)
     return mask

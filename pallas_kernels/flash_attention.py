@@ -8,6 +8,7 @@ length is not a block multiple, none otherwise.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,12 +45,10 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _clamp_blocks(bs: FlashAttentionBlockSizes, t: int, s: int) -> FlashAttentionBlockSizes:
     """Shrinks blocks larger than the (power-of-two rounded) sequence so short inputs pad little."""
     tq, tk = max(16, next_pow2(t)), max(16, next_pow2(s))
-    return FlashAttentionBlockSizes(
-        block_q=min(bs.block_q, tq), block_k=min(bs.block_k, tk),
+    return dataclasses.replace(
+        bs, block_q=min(bs.block_q, tq), block_k=min(bs.block_k, tk),
         block_q_dkv=min(bs.block_q_dkv, tq), block_k_dkv=min(bs.block_k_dkv, tk),
-        block_q_dq=min(bs.block_q_dq, tq), block_k_dq=min(bs.block_k_dq, tk),
-        num_warps_fwd=bs.num_warps_fwd, num_stages_fwd=bs.num_stages_fwd,
-        num_warps_bwd=bs.num_warps_bwd, num_stages_bwd=bs.num_stages_bwd)
+        block_q_dq=min(bs.block_q_dq, tq), block_k_dq=min(bs.block_k_dq, tk))
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids: SegmentIds = None,

@@ -24,12 +24,13 @@ from pallas_kernels._common import check_float_dtype, is_pow2, next_pow2, round_
 class RmsNormBlockSizes:
     """Rows per forward program; rows per backward program and rows per backward loop step."""
     block_rows: int = 4
-    block_rows_bwd: int = 64
+    block_rows_bwd: int = 16
     chunk_rows_bwd: int = 4
     num_warps: int = 8
+    num_warps_bwd: int = 8
 
     def __post_init__(self):
-        for f in ("block_rows", "block_rows_bwd", "chunk_rows_bwd", "num_warps"):
+        for f in ("block_rows", "block_rows_bwd", "chunk_rows_bwd", "num_warps", "num_warps_bwd"):
             val = getattr(self, f)
             if not is_pow2(val):
                 raise ValueError(f"RmsNormBlockSizes.{f} must be a power of two; got {val!r}")
@@ -126,7 +127,7 @@ def _backward(s2, w, rstd, dy2, ds2, plan: _Plan):
         out_specs=[row, pl.BlockSpec((None, dp), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct(s2.shape, s2.dtype),
                    jax.ShapeDtypeStruct((n // rb, dp), jnp.float32)],
-        compiler_params=triton_params(bs.num_warps, 2), interpret=plan.interpret,
+        compiler_params=triton_params(bs.num_warps_bwd, 2), interpret=plan.interpret,
         name="rms_norm_bwd",
     )(*args)
     return dx, jnp.sum(dw_part, axis=0)
