@@ -238,11 +238,12 @@ def _parse_cli_value(text: str) -> Any:
 def build_config(file_values: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- model preset <- YAML mapping <- `section.key=value` overrides. Collects all errors."""
     flat: dict[str, Any] = {}
+    cli_text: dict[str, str] = {}  # override text as typed: string fields take it verbatim
     problems: list[str] = []
     sections = _section_types()
     for section, values in (file_values or {}).items():
         if section not in sections:
-            problems.append(_unknown(section, list(sections), section))
+            problems.append(_unknown(str(section), list(sections), str(section)))
             continue
         if not isinstance(values, dict):
             problems.append(f"config section '{section}' must be a mapping of key: value, got {values!r}")
@@ -255,6 +256,7 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
             continue
         k, v = item.split("=", 1)
         flat[k.strip()] = _parse_cli_value(v)
+        cli_text[k.strip()] = v
 
     # The preset first, so that explicit model fields override it.
     preset = flat.get("model.preset", ModelConfig.preset)
@@ -272,10 +274,16 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
         if key not in valid:
             problems.append(_unknown(key, valid, key))
             continue
+        tp = _field_types(sections[section])[name]
+        if tp is str and key in cli_text:
+            raw = cli_text[key]  # YAML would turn `run.dir=010` into 8 and `host=10:30` into 630
         try:
-            per_section[section][name] = _coerce(key, raw, _field_types(sections[section])[name])
+            per_section[section][name] = _coerce(key, raw, tp)
         except ConfigError as e:
             problems.extend(e.problems)
+    # Read before jax starts (run.py simulates the CPU devices), so it cannot wait for validate().
+    if per_section["run"].get("cpu_devices", RunConfig.cpu_devices) < 1:
+        problems.append(f"run.cpu_devices={per_section['run']['cpu_devices']}: must be >= 1")
     if problems:
         raise ConfigError(problems)
     return Config(**{s: sections[s](**per_section[s]) for s in sections})
@@ -290,7 +298,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             file_values = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"--config {str(path)!r}: not valid YAML ({e})") from None
+            detail = " ".join(str(e).split())  # one line per problem, as everywhere
+            raise ConfigError(f"--config {str(path)!r}: not valid YAML ({detail})") from None
         if not isinstance(file_values, dict):
             raise ConfigError(f"--config {str(path)!r}: top level must be a mapping of sections")
     return build_config(file_values, overrides)
@@ -336,8 +345,8 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> tuple[dict[str, int], list
         else:
             degrees[free[0]] = n_devices // fixed
     elif fixed != n_devices:
-        shape = " x ".join(f"{a}={d}" for a, d in degrees.items() if d != 1) or "all 1"
-        problems.append(f"mesh: {shape} uses {fixed} devices but {n_devices} are visible; make the product "
+        shape = " x ".join(f"mesh.{a}={d}" for a, d in degrees.items() if d != 1) or "mesh: all degrees 1"
+        problems.append(f"{shape} uses {fixed} devices but {n_devices} are visible; make the product "
                         f"{n_devices}, or set one degree (e.g. mesh.fsdp) to -1")
     return degrees, problems
 
@@ -364,12 +373,14 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
         if not cond:
             problems.append(msg)
 
+    n_mesh_problems = len(problems)
     for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         need(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)}: must be >= 1")
     for name in ("steps", "global_batch", "grad_accum", "log_every"):
         need(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)}: must be >= 1")
     need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
-    if problems:
+    need(m.head_dim >= 0, f"model.head_dim={m.head_dim}: must be >= 1, or 0 for d_model // n_heads")
+    if len(problems) > n_mesh_problems:  # sizes below 1 would divide by zero in the checks that follow
         raise ConfigError(problems)
 
     # Parallelism that later modules bring; refuse rather than silently run something else.
@@ -411,8 +422,7 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
                                          f"known: {', '.join(CHECKPOINT_POINTS)}")
     need(t.schedule_steps == 0 or t.schedule_steps >= t.steps,
          f"train.schedule_steps={t.schedule_steps}: must be >= train.steps={t.steps} (or 0 for the same)")
-    need(0 <= t.warmup_steps <= t.total_schedule_steps,
-         f"train.warmup_steps={t.warmup_steps}: must be between 0 and the schedule length {t.total_schedule_steps}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps}: must be >= 0")
     need(t.lr > 0, f"train.lr={t.lr}: must be > 0")
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping)")

@@ -45,8 +45,13 @@ class SyntheticSource:
 class TokenFileSource:
     def __init__(self, path: str, dtype: str, seq_len: int, seed: int, vocab_size: int, global_batch: int):
         p = Path(path)
-        self.tokens = np.load(p, mmap_mode="r") if p.suffix == ".npy" else np.memmap(p, dtype=dtype, mode="r")
-        self.seq_len, self.seed, self.global_batch = seq_len, seed, global_batch
+        try:
+            self.tokens = np.load(p, mmap_mode="r") if p.suffix == ".npy" else np.memmap(p, dtype=dtype, mode="r")
+        except (OSError, ValueError) as e:  # missing, empty, or a size that is not a whole number of tokens
+            raise ConfigError(f"data.path={path!r}: cannot read it as {'.npy' if p.suffix == '.npy' else dtype} "
+                              f"tokens ({e}); check data.path and data.dtype") from None
+        self.path, self.seq_len, self.seed = path, seq_len, seed
+        self.global_batch, self.vocab_size = global_batch, vocab_size
         self.n_windows = (len(self.tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise ConfigError(f"data.path={path!r}: holds {len(self.tokens)} tokens, fewer than "
@@ -67,6 +72,12 @@ class TokenFileSource:
             idx = step * self.global_batch + int(r)
             w = self._order(idx // self.n_windows)[idx % self.n_windows]
             out[i] = self.tokens[w * t: w * t + t + 1]  # windows overlap by one token: the last label
+        # The start-up check samples the file's head; an id outside the table here would be clamped by the
+        # embedding gather and train silently on the wrong token.
+        if out.min() < 0 or out.max() >= self.vocab_size:
+            raise ConfigError(f"data.path={self.path!r}: token ids in [{out.min()}, {out.max()}] at step {step} "
+                              f"fall outside model.vocab_size={self.vocab_size}; set model.vocab_size to at least "
+                              f"the tokenizer's vocabulary")
         return out
 
 

@@ -75,6 +75,8 @@ class MetricsLog:
 def format_record(r: dict[str, Any]) -> str:
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"gnorm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
              f"{r['tokens_per_s']:>10,.0f} tok/s", f"{r['step_time_s'] * 1e3:8.1f} ms/step"]
+    if r.get("includes_compile"):
+        parts.append("(includes compilation)")
     if r.get("mfu") is not None:
         parts.append(f"{r['tflops_per_device']:.0f} TFLOP/s/dev  MFU {r['mfu'] * 100:.1f}%")
     if "peak_mem_gib" in r:
@@ -85,17 +87,25 @@ def format_record(r: dict[str, Any]) -> str:
 
 
 class Throughput:
-    """Wall time between log points; the first interval (compilation) is timed from its end."""
+    """Seconds per step between the moments the host saw two steps finish.
+
+    The first finished step includes compilation, so it only sets the baseline; a record logged at
+    that very step reports its wall time since the loop started (compilation included).
+    """
 
     def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.steps = 0
+        self.started = time.perf_counter()
+        self.mark: tuple[float, int] | None = None  # (time, step) of the last baseline
 
-    def restart(self) -> None:
-        self.t0, self.steps = time.perf_counter(), 0
+    def seconds_per_step(self, step: int) -> float:
+        """Call when `step` is known to be finished; moves the baseline to it."""
+        now = time.perf_counter()
+        if self.mark is None or step <= self.mark[1]:
+            dt = now - self.started
+        else:
+            dt = (now - self.mark[0]) / (step - self.mark[1])
+        self.mark = (now, step)
+        return dt
 
-    def tick(self) -> None:
-        self.steps += 1
-
-    def seconds_per_step(self) -> float:
-        return (time.perf_counter() - self.t0) / max(self.steps, 1)
+    def first_step_done(self, step: int) -> None:
+        self.mark = (time.perf_counter(), step)

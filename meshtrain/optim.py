@@ -12,9 +12,11 @@ from meshtrain.config import TrainConfig
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:
+    # A warmup longer than the whole schedule is cut to it (a short trial run of a long config).
+    warmup = min(t.warmup_steps, t.total_schedule_steps)
     base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
-        decay_steps=max(t.total_schedule_steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+        decay_steps=max(t.total_schedule_steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
     # Step i trains with the rate at i + 1: the first step already moves (lr/warmup), the last warmup
     # step reaches the peak.
     return lambda count: base(count + 1)

@@ -90,8 +90,7 @@ def init_state(setup: Setup) -> TrainState:
         return TrainState(step=zero, params=params, opt_state=setup.optimizer.init(params),
                           nonfinite_run=zero, nonfinite_total=zero)
 
-    with setup.mesh:
-        return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
+    return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
 
 
 def make_grad_fn(setup: Setup) -> Callable[[Any, jax.Array], tuple[Any, jax.Array, jax.Array]]:
@@ -132,7 +131,7 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, jax.Array], tuple[Tra
         grad_sum, loss_sum, n_tokens = grad_fn(state.params, tokens_abt1)
         grads = jax.tree.map(lambda g: g / n_tokens, grad_sum)
         loss = loss_sum / n_tokens
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -100,25 +100,24 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
                 f"step {step_no}: {int(m['nonfinite_run'])} consecutive steps had a non-finite loss or gradient "
                 f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. Lower "
                 f"train.lr, raise train.warmup_steps, or check the data.")
-        if step_no % t.log_every == 0 or step_no == t.steps:
-            dt = timer.seconds_per_step()
-            rec = dict(step=step_no, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]), lr=float(m["lr"]),
-                       tokens_per_s=tokens_per_step / dt, step_time_s=dt,
-                       tflops_per_device=flops_step / dt / n_dev / 1e12,
-                       mfu=(flops_step / dt / n_dev / peak) if peak else None, skipped=int(m["nonfinite_run"]),
-                       **memory_in_use())
-            log.log(rec)
-            result.records.append(rec)
-            timer.restart()
+        if step_no % t.log_every and step_no != t.steps:
+            if timer.mark is None:
+                timer.first_step_done(step_no)
+            return
+        includes_compile = timer.mark is None  # nothing finished before: this interval compiled the step
+        dt = timer.seconds_per_step(step_no)
+        rec = dict(step=step_no, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]), lr=float(m["lr"]),
+                   tokens_per_s=tokens_per_step / dt, step_time_s=dt,
+                   tflops_per_device=flops_step / dt / n_dev / 1e12,
+                   mfu=(flops_step / dt / n_dev / peak) if peak else None, skipped=int(m["nonfinite_run"]),
+                   includes_compile=includes_compile, **memory_in_use())
+        log.log(rec)
+        result.records.append(rec)
 
     with _StopFlag() as stop:
         try:
             for step in range(start, t.steps):
                 state, metrics = step_fn(state, batches.batch(step))
-                if step == start:  # the first call compiles: keep it out of the throughput numbers
-                    jax.block_until_ready(metrics)
-                    timer.restart()
-                timer.tick()
                 if pending is not None:
                     read(*pending)
                 pending = (step + 1, metrics)

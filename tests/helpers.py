@@ -1,0 +1,90 @@
+"""Shared test helpers: a tiny fp32 config and a function that trains it on a given mesh."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from meshtrain.config import MESH_AXES, Config, build_config, validate, with_mesh
+from meshtrain.data import Batches
+from meshtrain.mesh import build_mesh
+from meshtrain.train_step import Setup, build_setup, init_state, make_grad_fn, make_train_step
+
+# Small enough for 2 CPU cores, shaped so that every axis can split: 4 query heads and 2 kv heads
+# (so tp=4 replicates kv heads and tp=2 splits them), d_model 64 over fsdp=8, vocab 128 over tp=4.
+TINY = [
+    "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+    "model.vocab_size=128", "data.seq_len=16", "train.global_batch=16", "precision.compute=float32",
+    "train.lr=1e-2", "train.warmup_steps=2", "train.steps=5", "run.progress=false",
+]
+
+
+def tiny_config(*overrides: str) -> Config:
+    return build_config({}, TINY + list(overrides))
+
+
+def make_setup(cfg: Config, n_devices: int) -> Setup:
+    degrees = validate(cfg, n_devices)
+    return build_setup(with_mesh(cfg, degrees), build_mesh(degrees, jax.devices()[:n_devices]))
+
+
+def single_device(cfg: Config) -> Config:
+    """The same config on one device: every mesh degree 1."""
+    return build_config(cfg.to_dict() | {"mesh": {a: 1 for a in MESH_AXES}}, [])
+
+
+def train_losses(setup: Setup, n_steps: int) -> list[float]:
+    cfg = setup.cfg
+    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
+                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    state, step = init_state(setup), make_train_step(setup)
+    losses = []
+    for i in range(n_steps):
+        state, m = step(state, batches.batch(i))
+        losses.append(float(m["loss"]))
+    return losses
+
+
+def first_gradients(setup: Setup) -> dict:
+    """Mean-over-tokens gradient at the initial parameters, on the first batch, as numpy."""
+    cfg = setup.cfg
+    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
+                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    state = init_state(setup)
+    grad_fn = jax.jit(make_grad_fn(setup))
+    grads, _, n = grad_fn(state.params, batches.batch(0))
+    return jax.tree.map(lambda g: np.asarray(g) / float(n), grads)
+
+
+# ------------------------------------------------------------------------------- subprocess runs
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+CLI_TINY = TINY + ["train.log_every=1"]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment for a fresh `python -m meshtrain.run`: CPU only, the device count left to run.py."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_cli(*overrides: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "meshtrain.run", *CLI_TINY, *overrides], env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"meshtrain.run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def logged_losses(run_dir: str | Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl (JSON keeps Python floats exactly, so equality is bitwise)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out

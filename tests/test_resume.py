@@ -1,0 +1,109 @@
+"""Checkpoint and resume, each run a fresh process as after a real stop.
+
+Same mesh: the resumed losses are bitwise equal to an uninterrupted run (the data is f(seed, step)
+and the state round-trips exactly). Another mesh: only reduction order changes, so rtol 1e-5.
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import CLI_TINY, cli_env, logged_losses, run_cli
+
+MESH_A = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"]
+SIX = ["train.steps=6", "train.schedule_steps=6"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full")
+    run_cli(*MESH_A, *SIX, f"run.dir={run_dir}")
+    losses = logged_losses(run_dir)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(tmp_path_factory):
+    """A run of the 6-step schedule stopped after step 3 with a checkpoint there."""
+    run_dir = tmp_path_factory.mktemp("stopped")
+    run_cli(*MESH_A, "train.steps=3", "train.schedule_steps=6", "checkpoint.every=3", f"run.dir={run_dir}")
+    assert (run_dir / "checkpoints" / "3").is_dir()
+    return run_dir
+
+
+def resume(from_dir: Path, to_dir: Path, *overrides: str) -> tuple[dict[int, float], str]:
+    shutil.copytree(from_dir / "checkpoints", to_dir / "checkpoints")
+    proc = run_cli(*SIX, "checkpoint.every=3", f"run.dir={to_dir}", *overrides)
+    return logged_losses(to_dir), proc.stdout
+
+
+def test_resume_same_mesh_is_bitwise(uninterrupted, stopped_at_3, tmp_path):
+    losses, out = resume(stopped_at_3, tmp_path, *MESH_A)
+    assert "resumed from step 3" in out
+    assert sorted(losses) == [4, 5, 6]
+    assert [losses[s] for s in (4, 5, 6)] == [uninterrupted[s] for s in (4, 5, 6)]
+    assert logged_losses(stopped_at_3) == {s: uninterrupted[s] for s in (1, 2, 3)}
+
+
+def test_resume_onto_another_mesh(uninterrupted, stopped_at_3, tmp_path):
+    losses, out = resume(stopped_at_3, tmp_path, "mesh.dp=1", "mesh.fsdp=4", "mesh.tp=2", "train.zero_stage=3")
+    assert "resumed from step 3" in out
+    np.testing.assert_allclose([losses[s] for s in (4, 5, 6)], [uninterrupted[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
+def test_half_written_checkpoint_is_never_loaded(uninterrupted, stopped_at_3, tmp_path):
+    """A save killed before its commit leaves only Orbax's temporary directory: resume skips it."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(stopped_at_3 / "checkpoints", ckpt)
+    partial = ckpt / "5.orbax-checkpoint-tmp-1763780000000000"
+    shutil.copytree(ckpt / "3", partial)
+    (partial / "state").rename(partial / "state.partial")  # torn: the state is not all there
+    proc = run_cli(*MESH_A, *SIX, "checkpoint.every=3", f"run.dir={tmp_path}")
+    assert "resumed from step 3" in proc.stdout
+    losses = logged_losses(tmp_path)
+    assert [losses[s] for s in (4, 5, 6)] == [uninterrupted[s] for s in (4, 5, 6)]
+    assert not partial.exists(), "left-over temporary checkpoint directories are cleaned at start"
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpt_dir.glob("*") if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_process_killed_while_saving_resumes_from_last_commit(tmp_path):
+    """SIGKILL a run that saves every step; the restart continues from the last committed step and
+    matches an uninterrupted run bitwise from there on."""
+    steps = ["train.steps=40", "train.schedule_steps=40"]
+    full_dir = tmp_path / "full"
+    run_cli(*MESH_A, *steps, f"run.dir={full_dir}")
+    full = logged_losses(full_dir)
+
+    killed_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "meshtrain.run", *CLI_TINY, *MESH_A, *steps, "checkpoint.every=1",
+           "checkpoint.keep=2", f"run.dir={killed_dir}"]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any(s >= 5 for s in committed_steps(killed_dir / "checkpoints")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = committed_steps(killed_dir / "checkpoints")
+    assert before and before[-1] < 40
+
+    out = run_cli(*MESH_A, *steps, "checkpoint.every=10", f"run.dir={killed_dir}").stdout
+    resumed = int(re.search(r"resumed from step (\d+)", out).group(1))
+    assert resumed == before[-1]
+    losses = logged_losses(killed_dir)
+    later = [s for s in range(resumed + 1, 41)]
+    assert [losses[s] for s in later] == [full[s] for s in later]
