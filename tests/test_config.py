@@ -1,0 +1,295 @@
+"""Config errors: every mistake is one ConfigError line naming the field and the value, all reported at
+once, and the CLI turns them into `config error:` lines with exit status 2 and no traceback."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain.config import (
+    PRESETS, Config, ConfigError, ModelConfig, build_config, load_config, padded_vocab, to_yaml, validate,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+N_DEVICES = 8
+
+
+def problems_of(overrides: list[str], file_values: dict | None = None, n_devices: int = N_DEVICES) -> list[str]:
+    """Every problem that loading (build_config) or validate() reports; [] for a good config.
+
+    Any exception other than ConfigError propagates and fails the test: user input must never reach one.
+    """
+    try:
+        validate(build_config(file_values, overrides), n_devices)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+# (overrides, YAML mapping, fragments that one single problem line must all contain)
+BAD = [
+    # ---- mesh against the device count
+    pytest.param(["mesh.fsdp=1", "mesh.dp=2", "mesh.tp=2"], None, ["mesh.dp=2", "mesh.tp=2", "4 devices", "8"],
+                 id="mesh-product-not-device-count"),
+    pytest.param(["mesh.tp=3"], None, ["mesh.fsdp=-1", "multiply to 3", "8 devices"],
+                 id="mesh-free-degree-does-not-divide"),
+    pytest.param(["mesh.dp=-1"], None, ["mesh.dp", "mesh.fsdp", "-1"], id="mesh-two-free-degrees"),
+    pytest.param(["mesh.tp=0"], None, ["mesh.tp=0", ">= 1"], id="mesh-degree-zero"),
+    pytest.param(["mesh.dp=-3"], None, ["mesh.dp=-3"], id="mesh-degree-negative"),
+    # ---- model shape against tp / fsdp
+    pytest.param(["model.n_heads=6", "model.n_kv_heads=2", "model.head_dim=16", "mesh.tp=4"], None,
+                 ["model.n_heads=6", "mesh.tp=4"], id="heads-not-divisible-by-tp"),
+    pytest.param(["model.n_heads=12", "model.n_kv_heads=6", "model.head_dim=16", "mesh.tp=4"], None,
+                 ["model.n_kv_heads=6", "mesh.tp=4"], id="kv-heads-neither-below-nor-divisible-by-tp"),
+    pytest.param(["model.n_kv_heads=3"], None, ["model.n_kv_heads=3", "model.n_heads=4"],
+                 id="kv-heads-not-dividing-heads"),
+    pytest.param(["model.d_model=100", "model.n_heads=5", "model.n_kv_heads=5"], None,
+                 ["model.d_model=100", "mesh.fsdp=8"], id="d-model-not-divisible-by-fsdp"),
+    pytest.param(["model.d_model=130"], None, ["model.d_model=130", "model.n_heads=4"],
+                 id="d-model-not-divisible-by-heads"),
+    pytest.param(["model.d_ff=350", "mesh.tp=4"], None, ["model.d_ff=350", "mesh.tp=4"],
+                 id="d-ff-not-divisible-by-tp"),
+    pytest.param(["model.head_dim=-4"], None, ["model.head_dim=-4"], id="head-dim-negative"),
+    pytest.param(["model.n_layers=0"], None, ["model.n_layers=0", ">= 1"], id="layers-zero"),
+    # ---- batch and sequence splits
+    pytest.param(["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.global_batch=18", "train.grad_accum=3"], None,
+                 ["train.global_batch=18", "2*2*3 = 12"], id="global-batch-not-divisible"),
+    pytest.param(["mesh.tp=2", "mesh.sequence_parallel=true", "data.seq_len=63"], None,
+                 ["data.seq_len=63", "mesh.tp", "= 2"], id="seq-len-not-divisible-with-sequence-parallel"),
+    pytest.param(["train.global_batch=0"], None, ["train.global_batch=0", ">= 1"], id="global-batch-zero"),
+    # ---- parallelism not built yet
+    pytest.param(["mesh.pp=2"], None, ["mesh.pp=2", "not available"], id="pp-not-available"),
+    pytest.param(["mesh.ep=2"], None, ["mesh.ep=2", "not available"], id="ep-not-available"),
+    pytest.param(["mesh.cp=2"], None, ["mesh.cp=2", "not available"], id="cp-not-available"),
+    pytest.param(["mesh.sp=2"], None, ["mesh.sp=2", "not available"], id="sp-not-available"),
+    # ---- training knobs
+    pytest.param(["train.zero_stage=5"], None, ["train.zero_stage=5", "0, 1, 2 or 3"], id="zero-stage-5"),
+    pytest.param(["train.remat=everything"], None, ["train.remat='everything'", "save_dots"], id="remat-unknown"),
+    pytest.param(["train.remat=names:qkv,bogus"], None, ["train.remat=", "'bogus'", "mlp_hidden"],
+                 id="remat-unknown-point"),
+    pytest.param(["train.steps=100", "train.schedule_steps=50"], None,
+                 ["train.schedule_steps=50", "train.steps=100"],
+                 id="schedule-shorter-than-steps"),
+    pytest.param(["train.warmup_steps=-1"], None, ["train.warmup_steps=-1"], id="warmup-negative"),
+    pytest.param(["train.lr=0"], None, ["train.lr=0"], id="lr-zero"),
+    # ---- data
+    pytest.param(["data.source=file", "data.path=/nonexistent/tokens.bin"], None,
+                 ["data.path", "/nonexistent/tokens.bin", "no such file"], id="data-file-missing"),
+    pytest.param(["data.source=file"], None, ["data.path", "empty", "prepare_data"], id="data-file-path-empty"),
+    # ---- names and types (found while loading, before validate)
+    pytest.param(["train.stpes=3"], None, ["train.stpes", "did you mean 'train.steps'"], id="unknown-key-typo"),
+    pytest.param(["mesh.fdsp=2"], None, ["mesh.fdsp", "did you mean 'mesh.fsdp'"], id="unknown-key-typo-mesh"),
+    pytest.param(["trian.steps=3"], None, ["trian.steps", "did you mean 'train.steps'"],
+                 id="unknown-section-override"),
+    pytest.param([], {"trian": {"steps": 3}}, ["'trian'", "did you mean 'train'"], id="unknown-section-yaml"),
+    pytest.param([], {"train": {"stpes": 3}}, ["train.stpes", "did you mean 'train.steps'"], id="unknown-key-yaml"),
+    pytest.param([], {"train": [1, 2]}, ["section 'train'", "mapping"], id="section-not-a-mapping"),
+    pytest.param([], {7: {"steps": 3}}, ["'7'", "valid keys"], id="section-name-not-a-string"),
+    pytest.param(["train.steps=abc"], None, ["train.steps='abc'", "integer"], id="bad-type-int"),
+    pytest.param(["train.steps=2.5"], None, ["train.steps=2.5", "integer"], id="bad-type-fractional-int"),
+    pytest.param(["train.lr=fast"], None, ["train.lr='fast'", "number"], id="bad-type-float"),
+    pytest.param(["mesh.sequence_parallel=maybe"], None, ["mesh.sequence_parallel='maybe'", "true or false"],
+                 id="bad-type-bool"),
+    pytest.param(["precision.compute=fp8"], None, ["precision.compute='fp8'", "bfloat16"], id="bad-literal"),
+    pytest.param(["model.attention=flash"], None, ["model.attention='flash'", "cudnn"], id="bad-literal-attention"),
+    pytest.param(["model.preset=gpt5"], None, ["model.preset='gpt5'", "unknown preset", "llama1b"],
+                 id="unknown-preset"),
+    pytest.param(["train.steps"], None, ["train.steps", "section.key=value"], id="override-without-equals"),
+    pytest.param(["run.cpu_devices=0"], None, ["run.cpu_devices=0", ">= 1"], id="cpu-devices-zero"),
+]
+
+
+@pytest.mark.parametrize("overrides,file_values,fragments", BAD)
+def test_config_error_names_field_and_value(overrides, file_values, fragments):
+    problems = problems_of(overrides, file_values)
+    assert problems, "expected a ConfigError"
+    assert all("\n" not in p for p in problems), problems  # one line per problem
+    assert any(all(f in p for f in fragments) for p in problems), (fragments, problems)
+
+
+# Near misses of the rows above that are valid: they keep the checks from refusing good configs.
+GOOD = [
+    pytest.param([], dict(fsdp=8), id="defaults-fsdp-takes-all"),
+    pytest.param(["mesh.fsdp=1", "mesh.dp=-1"], dict(dp=8, fsdp=1), id="dp-takes-the-rest"),
+    pytest.param(["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.grad_accum=2"], dict(dp=2, fsdp=2, tp=2),
+                 id="dp2-fsdp2-tp2-accum2"),
+    pytest.param(["mesh.tp=4", "model.n_kv_heads=2"], dict(fsdp=2, tp=4), id="kv-heads-fewer-than-tp-replicate"),
+    pytest.param(["mesh.tp=2", "data.seq_len=63"], dict(fsdp=4, tp=2), id="odd-seq-len-without-sequence-parallel"),
+    pytest.param(["mesh.tp=2", "mesh.sequence_parallel=true", "data.seq_len=62"], dict(fsdp=4, tp=2),
+                 id="even-seq-len-with-sequence-parallel"),
+    pytest.param(["model.d_model=130", "model.head_dim=32", "mesh.fsdp=2", "mesh.dp=4", "train.global_batch=8"],
+                 dict(dp=4, fsdp=2), id="head-dim-explicit"),
+    pytest.param(["train.remat=names:qkv,mlp_hidden"], dict(fsdp=8), id="remat-names"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", GOOD)
+def test_valid_configs_resolve_the_mesh(overrides, expected):
+    degrees = validate(build_config(None, overrides), N_DEVICES)
+    assert degrees == {**dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), **expected}
+
+
+def test_validate_reports_every_problem_at_once():
+    problems = problems_of(["mesh.fsdp=2", "mesh.tp=4", "model.d_ff=350", "train.global_batch=7",
+                            "train.zero_stage=5", "train.schedule_steps=50", "train.remat=bogus"])
+    fields = ["model.d_ff=350", "train.global_batch=7", "train.zero_stage=5", "train.schedule_steps=50",
+              "train.remat='bogus'"]
+    assert len(problems) == len(fields), problems
+    for f in fields:
+        assert sum(f in p for p in problems) == 1, (f, problems)
+
+
+def test_loading_reports_every_problem_at_once():
+    with pytest.raises(ConfigError) as e:
+        build_config({"trian": {}}, ["train.stpes=1", "train.lr=abc", "precision.compute=fp8", "model.preset=x"])
+    assert len(e.value.problems) == 5, e.value.problems
+    for f in ("'trian'", "train.stpes", "train.lr", "precision.compute", "model.preset"):
+        assert sum(f in p for p in e.value.problems) == 1, (f, e.value.problems)
+
+
+def test_build_mesh_refuses_wrong_device_count_with_config_error():
+    import jax
+
+    from meshtrain.mesh import build_mesh
+
+    degrees = dict(pp=1, dp=2, fsdp=2, ep=1, cp=1, sp=1, tp=2)
+    with pytest.raises(ConfigError, match=r"multiply to 8 but 4 devices"):
+        build_mesh(degrees, jax.devices()[:4])
+    assert build_mesh(degrees).devices.shape == (1, 2, 2, 1, 1, 1, 2)
+
+
+# ------------------------------------------------------------------------------------- values and files
+
+
+def test_precedence_defaults_preset_yaml_override():
+    cfg = build_config({"model": {"preset": "llama1b", "n_layers": 2}, "train": {"steps": 9}},
+                       ["model.d_model=256", "train.steps=11"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.train.steps) == (2, 256, 11)  # yaml, override, override
+    assert (cfg.model.n_heads, cfg.model.vocab_size, cfg.model.d_ff) == (16, 32000, 5632)  # from the preset
+    assert cfg.model.rope_theta == ModelConfig.rope_theta  # not in the preset: the default
+
+
+@pytest.mark.parametrize("override,key,value", [
+    ("train.lr=1e-3", ("train", "lr"), 1e-3),
+    ("train.steps=1e3", ("train", "steps"), 1000),
+    ("mesh.sequence_parallel=yes", ("mesh", "sequence_parallel"), True),
+    ("model.tie_embeddings=0", ("model", "tie_embeddings"), False),
+    ("run.dir=010", ("run", "dir"), "010"),  # YAML 1.1 would read an octal 8
+    ("distributed.coordinator=10:30", ("distributed", "coordinator"), "10:30"),  # ... and base-60 630
+    ("distributed.local_device_ids=0,1,2,3", ("distributed", "local_device_ids"), "0,1,2,3"),
+    ("data.path=/data/tok ens.bin", ("data", "path"), "/data/tok ens.bin"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_override_values_take_the_field_type(override, key, value):
+    got = getattr(getattr(build_config(None, [override]), key[0]), key[1])
+    assert got == value and type(got) is type(value)
+
+
+def test_yaml_file_round_trips(tmp_path):
+    cfg = build_config(None, ["mesh.dp=2", "mesh.tp=2", "model.preset=small", "model.n_layers=3",
+                              "train.lr=2.5e-4", "train.remat=names:qkv", "data.seq_len=96",
+                              "precision.compute=float32", "run.dir=runs/x y", "checkpoint.async_save=false"])
+    path = tmp_path / "cfg.yaml"
+    path.write_text(to_yaml(cfg))
+    back = load_config(path)
+    assert back == cfg
+    assert back != Config()  # the overrides did change something, so equality above means something
+    assert yaml.safe_load(path.read_text())["model"]["n_layers"] == 3
+
+
+def test_yaml_file_with_overrides_and_errors(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("mesh: {dp: 2, tp: 2}\ntrain:\n  steps: 7\n")
+    cfg = load_config(path, ["train.steps=8"])
+    assert (cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.fsdp, cfg.train.steps) == (2, 2, -1, 8)
+    path.write_text("train: {steps: [\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0] and "not valid YAML" in str(e.value)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_load_and_validate(name):
+    cfg = load_config(REPO / "configs" / name)
+    degrees = validate(cfg, N_DEVICES)
+    assert degrees["pp"] * degrees["dp"] * degrees["fsdp"] * degrees["tp"] == N_DEVICES
+
+
+@pytest.mark.parametrize("vocab,tp,expected", [
+    (256, 1, 256), (256, 2, 256), (256, 3, 258), (257, 2, 258), (257, 8, 264), (50257, 8, 50264), (32000, 8, 32000),
+])
+def test_padded_vocab_rounds_up_to_tp(vocab, tp, expected):
+    assert padded_vocab(dataclasses.replace(ModelConfig(), vocab_size=vocab), tp) == expected
+
+
+def test_presets_validate_on_their_own():
+    for name in PRESETS:  # every preset must be a consistent shape before any mesh is chosen
+        validate(build_config(None, [f"model.preset={name}", "mesh.fsdp=1", "mesh.dp=-1", "train.global_batch=8"]),
+                 N_DEVICES)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "meshtrain.run", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("args,fields", [
+    pytest.param(["train.stpes=3", "train.lr=abc", "precision.compute=fp8"],
+                 ["train.stpes", "train.lr='abc'", "precision.compute='fp8'"], id="loading"),
+    # After jax starts: the CPU default is dp=2 fsdp=2 tp=2, so tp=3 breaks the product, heads and ffn.
+    pytest.param(["mesh.tp=3", "data.source=file", "data.path=/nonexistent.bin"],
+                 ["mesh.tp=3 uses 12 devices", "model.n_heads=4", "model.d_ff=352", "data.path='/nonexistent.bin'"],
+                 id="validate"),
+])
+def test_cli_config_error_exits_2_one_line_per_problem(args, fields):
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert all(ln.startswith("config error: ") for ln in lines), lines
+    assert len(lines) == len(fields), lines
+    for f in fields:
+        assert sum(f in ln for ln in lines) == 1, (f, lines)
+
+
+def test_cli_bad_config_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {stpes: 3}\nmesh: {tp: [\n")
+    r = run_cli("--config", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "not valid YAML" in r.stderr
+
+
+def test_cli_help_lists_keys_with_defaults():
+    r = run_cli("--help")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"train\.global_batch\s+int\s+default 16\b", r.stdout), r.stdout
+    assert re.search(r"mesh\.tp\s+int\s+default 1\b", r.stdout)
+    assert re.search(r"precision\.compute\s+float32\|bfloat16\|float16\s+default 'bfloat16'", r.stdout)
+
+
+def test_cli_print_config_reflects_overrides_and_round_trips(tmp_path):
+    r = run_cli("--print-config", "train.steps=7", "model.preset=small")
+    assert r.returncode == 0, r.stderr
+    printed = yaml.safe_load(r.stdout)
+    assert printed["train"]["steps"] == 7
+    assert printed["model"]["n_heads"] == PRESETS["small"]["n_heads"]
+    assert (printed["mesh"]["dp"], printed["mesh"]["fsdp"], printed["mesh"]["tp"]) == (2, 2, 2)  # CPU default
+    path = tmp_path / "printed.yaml"
+    path.write_text(r.stdout)
+    again = run_cli("--config", str(path), "--print-config")
+    assert again.returncode == 0 and again.stdout == r.stdout
