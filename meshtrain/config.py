@@ -245,6 +245,8 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
         if section not in sections:
             problems.append(_unknown(str(section), list(sections), str(section)))
             continue
+        if values is None:  # a section whose keys are all commented out
+            continue
         if not isinstance(values, dict):
             problems.append(f"config section '{section}' must be a mapping of key: value, got {values!r}")
             continue

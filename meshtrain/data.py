@@ -11,7 +11,6 @@ Sources:
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import jax
@@ -53,6 +52,7 @@ class TokenFileSource:
         self.path, self.seq_len, self.seed = path, seq_len, seed
         self.global_batch, self.vocab_size = global_batch, vocab_size
         self.n_windows = (len(self.tokens) - 1) // seq_len
+        self._epoch_order: tuple[int, np.ndarray] = (-1, np.empty(0, np.int64))
         if self.n_windows < 1:
             raise ConfigError(f"data.path={path!r}: holds {len(self.tokens)} tokens, fewer than "
                               f"data.seq_len+1={seq_len + 1}; use a larger file or a shorter data.seq_len")
@@ -61,9 +61,12 @@ class TokenFileSource:
             raise ConfigError(f"data.path={path!r}: token id {top} >= model.vocab_size={vocab_size}; "
                               f"set model.vocab_size to at least {top + 1}")
 
-    @lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        # One epoch's permutation is kept: a step reads consecutive indices, so it is reused for
+        # many steps and recomputed only when the epoch changes.
+        if self._epoch_order[0] != epoch:
+            self._epoch_order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
+        return self._epoch_order[1]
 
     def rows(self, step: int, row_ids: np.ndarray) -> np.ndarray:
         t = self.seq_len
@@ -101,7 +104,7 @@ class Batches:
         lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
         covered = sum(b - a for a, b in set(rows))
         if covered != hi - lo:
-            raise RuntimeError(f"this process's batch rows {sorted(set(rows))} are not contiguous; the mesh "
+            raise ConfigError(f"this process's batch rows {sorted(set(rows))} are not contiguous; the mesh "
                                f"must put whole hosts on the batch axes (dp, fsdp)")
         return slice(None), slice(lo, hi)
 

@@ -31,9 +31,9 @@ def initialize_distributed(dist: DistributedConfig) -> bool:
     JAX_PROCESS_ID.
     """
     coordinator = dist.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
-    num_processes = dist.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
-    process_id = dist.process_id if dist.process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1") or -1)
-    in_slurm = int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in os.environ
+    num_processes = dist.num_processes or _env_int("JAX_NUM_PROCESSES", 0)
+    process_id = dist.process_id if dist.process_id >= 0 else _env_int("JAX_PROCESS_ID", -1)
+    in_slurm = _env_int("SLURM_NTASKS", 1) > 1 and "SLURM_JOB_ID" in os.environ
     if not coordinator and not in_slurm:
         if num_processes > 1:
             raise ConfigError(f"distributed.num_processes={num_processes} needs distributed.coordinator "
@@ -51,6 +51,16 @@ def initialize_distributed(dist: DistributedConfig) -> bool:
     else:
         jax.distributed.initialize(local_device_ids=local_ids)  # SLURM: jax reads the job's variables
     return True
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r}: must be an integer") from None
 
 
 def split_across_hosts(degrees: dict[str, int], n_processes: int) -> tuple[list[int], list[int]]:

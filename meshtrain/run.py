@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML config file (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # options may follow overrides
 
 
 def cpu_only(platforms: str) -> bool:

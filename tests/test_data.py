@@ -187,7 +187,7 @@ def test_one_host_builds_only_its_rows(source, token_file):
     whole = batches(data, global_batch=16, grad_accum=2).local_rows(2)  # [2, 8, T+1]
     host1 = batches(data, global_batch=16, grad_accum=2, sharding=RowsOfOneHost([(6, 8), (4, 6)]))
     np.testing.assert_array_equal(host1.local_rows(2), whole[:, 4:8])
-    with pytest.raises(RuntimeError, match="not contiguous"):
+    with pytest.raises(ConfigError, match="not contiguous"):
         batches(data, global_batch=16, grad_accum=2, sharding=RowsOfOneHost([(0, 2), (4, 6)]))
 
 
