@@ -44,6 +44,17 @@ def train_losses(setup: Setup, n_steps: int) -> list[float]:
     return losses
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{'a': {'b': x}} -> {'a/b': x}"""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 def first_gradients(setup: Setup) -> dict:
     """Mean-over-tokens gradient at the initial parameters, on the first batch, as numpy."""
     cfg = setup.cfg

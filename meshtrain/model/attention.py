@@ -12,17 +12,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from meshtrain.sharding import ShardingRules
+
 IMPLEMENTATIONS = ("reference", "cudnn", "pallas")
 
 
-def attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, *, impl: str) -> jax.Array:
+def attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, *, impl: str,
+              rules: ShardingRules) -> jax.Array:
     if impl == "reference":
         return reference_attention(q_bthe, k_bske, v_bske)
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q_bthe, k_bske, v_bske, is_causal=True, implementation="cudnn")
     if impl == "pallas":
         from meshtrain.model.kernels import pallas_attention
-        return pallas_attention(q_bthe, k_bske, v_bske)
+        return pallas_attention(q_bthe, k_bske, v_bske, rules)
     raise ValueError(f"model.attention={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
 
 

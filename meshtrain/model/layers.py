@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.precision import Precision
+from meshtrain.sharding import ShardingRules
 
 
 def param(module: nn.Module, name: str, init: Callable, shape: Sequence[int], names: Sequence[str | None],
@@ -33,6 +34,7 @@ def rms_norm_jnp(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 class RMSNorm(nn.Module):
     eps: float
     policy: Precision
+    rules: ShardingRules
     impl: str = "reference"  # reference | pallas
 
     @nn.compact
@@ -40,7 +42,7 @@ class RMSNorm(nn.Module):
         scale_d = param(self, "scale", nn.initializers.ones, (x_btd.shape[-1],), ("embed",), self.policy.param_dtype)
         if self.impl == "pallas":
             from meshtrain.model.kernels import pallas_rms_norm
-            return pallas_rms_norm(x_btd, scale_d, self.eps, self.policy.compute_dtype)
+            return pallas_rms_norm(x_btd, scale_d, self.eps, self.policy.compute_dtype, self.rules)
         return rms_norm_jnp(x_btd, scale_d, self.eps).astype(self.policy.compute_dtype)
 
 

@@ -21,8 +21,8 @@ def cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array
     n_tokens = jnp.sum(valid_bt, dtype=jnp.float32)
     if impl == "fused":
         from meshtrain.model.kernels import fused_cross_entropy
-        loss_n = fused_cross_entropy(h_btd, head_dv, labels_bt, policy)
-        return jnp.sum(loss_n), n_tokens
+        loss_bt = fused_cross_entropy(h_btd, head_dv, labels_bt, vocab_size, rules)
+        return jnp.sum(jnp.where(valid_bt, loss_bt, 0.0)), n_tokens
 
     logits_btv = policy.einsum("btd,dv->btv", h_btd, head_dv)
     logits_btv = rules.constrain(logits_btv, ("batch", "act_seq", "act_vocab")).astype(jnp.float32)

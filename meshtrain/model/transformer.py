@@ -46,7 +46,7 @@ class Attention(nn.Module):
         k_btke = checkpoint_name(apply_rope(k_btke, cos_tf, sin_tf), "qkv")
         v_btke = checkpoint_name(v_btke, "qkv")
 
-        o_bthe = attention(q_bthe, k_btke, v_btke, impl=c.attention)
+        o_bthe = attention(q_bthe, k_btke, v_btke, impl=c.attention, rules=r)
         o_bthe = checkpoint_name(r.constrain(o_bthe, ("batch", "act_seq", "act_heads", None)), "attn_out")
         return checkpoint_name(p.einsum("bthe,hed->btd", o_bthe, wo_hed), "attn_proj")
 
@@ -81,9 +81,9 @@ class Block(nn.Module):
     def __call__(self, x_btd: jax.Array, cos_tf: jax.Array, sin_tf: jax.Array) -> tuple[jax.Array, None]:
         c, p, r = self.cfg, self.policy, self.rules
         out_std = c.init_std / (2 * c.n_layers) ** 0.5  # residual branches start small (GPT-2 scaling)
-        h_btd = RMSNorm(c.norm_eps, p, c.norm, name="attn_norm")(x_btd)
+        h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="attn_norm")(x_btd)
         x_btd = r.constrain(x_btd + Attention(c, p, r, out_std, name="attn")(h_btd, cos_tf, sin_tf), RESIDUAL)
-        h_btd = RMSNorm(c.norm_eps, p, c.norm, name="mlp_norm")(x_btd)
+        h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="mlp_norm")(x_btd)
         x_btd = r.constrain(x_btd + SwiGLU(c, p, r, out_std, name="mlp")(h_btd), RESIDUAL)
         return x_btd, None  # (carry, per-layer output) as nn.scan expects
 
@@ -122,7 +122,7 @@ class Decoder(nn.Module):
             for i in range(c.n_layers):
                 x_btd, _ = block(c, p, r, name=f"layer_{i}")(x_btd, cos_tf, sin_tf)
 
-        h_btd = RMSNorm(c.norm_eps, p, c.norm, name="final_norm")(x_btd)
+        h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="final_norm")(x_btd)
         if c.tie_embeddings:
             head_dv = table_vd.T
         else:

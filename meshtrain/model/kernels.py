@@ -1,0 +1,71 @@
+"""The Pallas kernels (pallas_kernels/) as model building blocks: each call runs shard-locally.
+
+`model.attention=pallas`, `model.norm=pallas` and `model.loss=fused` route here. On a CPU the same
+kernels run in Pallas interpret mode (slow; for tests).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from meshtrain.parallel.shard_local import shard_local
+from meshtrain.sharding import ShardingRules
+
+Q = ("batch", "act_seq", "act_heads", None)
+KV = ("batch", "act_seq", "act_kv_heads", None)
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, rules: ShardingRules) -> jax.Array:
+    h, kv = q_bthe.shape[2], k_bske.shape[2]
+    tp = rules.mesh.shape["tp"]
+    kv_split = kv % tp == 0  # otherwise every tp shard holds all kv heads (replicated, Megatron style)
+    interpret = _interpret()
+
+    def local(q, k, v):
+        if not kv_split and tp > 1:
+            # This shard's h/tp query heads all read one kv head: (first head) // (h / kv).
+            first = jax.lax.axis_index("tp") * (h // tp)
+            k = jax.lax.dynamic_slice_in_dim(k, first // (h // kv), 1, axis=2)
+            v = jax.lax.dynamic_slice_in_dim(v, first // (h // kv), 1, axis=2)
+        return pk.flash_attention(q, k, v, causal=True, interpret=interpret)
+
+    if not kv_split and tp > 1 and (h // tp) > (h // kv):
+        raise ValueError(f"model.attention=pallas: {h // tp} query heads per tp shard span several kv heads; "
+                         f"use a tp that divides model.n_kv_heads or is at least n_heads/n_kv_heads")
+    return shard_local(local, rules, (Q, KV, KV), Q)(q_bthe, k_bske, v_bske)
+
+
+def pallas_rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float, out_dtype: jnp.dtype,
+                    rules: ShardingRules) -> jax.Array:
+    interpret = _interpret()
+    act = ("batch", "act_res_seq", "act_embed")
+
+    def local(x, w):
+        return pk.rms_norm(x.astype(out_dtype), w, eps=eps, interpret=interpret)
+
+    return shard_local(local, rules, (act, (None,)), act)(x_btd, scale_d)
+
+
+def fused_cross_entropy(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, vocab_size: int,
+                        rules: ShardingRules) -> jax.Array:
+    """Per-token loss [B, T] without materializing the [B, T, V] logits.
+
+    The kernel needs the whole vocabulary for its logsumexp, so a tp-sharded head is gathered
+    (one [D, V] copy per device) and padded vocabulary columns are cut off.
+    """
+    interpret = _interpret()
+    tok = ("batch", "act_seq")
+
+    def local(h, w, labels):
+        b, t, d = h.shape
+        loss_n = pk.linear_cross_entropy(h.reshape(b * t, d), w[:, :vocab_size].astype(h.dtype),
+                                         labels.reshape(b * t), ignore_index=-100, interpret=interpret)
+        return loss_n.reshape(b, t)
+
+    return shard_local(local, rules, (("batch", "act_seq", "act_embed"), (None, None), tok), tok)(
+        h_btd, head_dv, labels_bt)
