@@ -27,16 +27,17 @@ class FlashAttentionBlockSizes:
     """
     block_q: int = 128
     block_k: int = 64
+    # Backward defaults: the fastest of the configs swept on an H200 (docs/KERNELS_NOTES.md).
     block_q_dkv: int = 32
-    block_k_dkv: int = 128
-    block_q_dq: int = 128
+    block_k_dkv: int = 64
+    block_q_dq: int = 64
     block_k_dq: int = 32
     num_warps_fwd: int = 8
     num_stages_fwd: int = 3
-    num_warps_dkdv: int = 8
-    num_stages_dkdv: int = 2
-    num_warps_dq: int = 8
-    num_stages_dq: int = 2
+    num_warps_dkdv: int = 4
+    num_stages_dkdv: int = 3
+    num_warps_dq: int = 4
+    num_stages_dq: int = 3
 
     def __post_init__(self):
         for f in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -59,7 +60,8 @@ class FlashAttentionBlockSizes:
         if head_dim <= 128:
             return cls()
         return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64, block_q_dq=64,
-                   block_k_dq=32, num_warps_fwd=8, num_stages_fwd=2, num_stages_dkdv=1, num_stages_dq=1)
+                   block_k_dq=32, num_warps_fwd=8, num_stages_fwd=2, num_warps_dkdv=8, num_stages_dkdv=1,
+                   num_warps_dq=8, num_stages_dq=1)
 
 
 @dataclasses.dataclass(frozen=True)

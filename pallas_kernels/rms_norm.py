@@ -25,9 +25,9 @@ class RmsNormBlockSizes:
     """Rows per forward program; rows per backward program and rows per backward loop step."""
     block_rows: int = 4
     block_rows_bwd: int = 16
-    chunk_rows_bwd: int = 4
+    chunk_rows_bwd: int = 2
     num_warps: int = 8
-    num_warps_bwd: int = 8
+    num_warps_bwd: int = 4
 
     def __post_init__(self):
         for f in ("block_rows", "block_rows_bwd", "chunk_rows_bwd", "num_warps", "num_warps_bwd"):
