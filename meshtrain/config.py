@@ -103,6 +103,9 @@ class DataConfig:
 class PrecisionConfig:
     compute: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     params: Literal["float32"] = "float32"  # master weights; optimizer state follows them
+    # Dynamic loss scaling, used with float16 compute only (bf16 has fp32's exponent range).
+    loss_scale_init: float = 32768.0
+    loss_scale_growth_interval: int = 1000  # finite steps in a row before the scale doubles
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,9 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping)")
     need(t.max_nonfinite >= 1, f"train.max_nonfinite={t.max_nonfinite}: must be >= 1")
+    need(cfg.precision.loss_scale_init >= 1, f"precision.loss_scale_init={cfg.precision.loss_scale_init}: must be >= 1")
+    need(cfg.precision.loss_scale_growth_interval >= 1,
+         f"precision.loss_scale_growth_interval={cfg.precision.loss_scale_growth_interval}: must be >= 1")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every}: must be >= 0 (0 disables saving)")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: must be >= 1")
     if d.source == "file":

@@ -44,3 +44,13 @@ class Precision:
         """`x @ w` written as an einsum whose names carry the shapes, in this policy's numerics."""
         # Cast first: einsum promotes mixed operand dtypes (bf16 x fp32 -> fp32) for its result.
         return jnp.einsum(subscripts, self.cast(x), self.cast(w), _dot_general=self.dot_general)
+
+
+def update_loss_scale(scale: jax.Array, good_steps: jax.Array, finite: jax.Array, *,
+                      growth_interval: int) -> tuple[jax.Array, jax.Array]:
+    """Dynamic loss scaling for fp16: halve on an overflowing step (which is skipped), double after
+    `growth_interval` finite steps in a row. The scale never drops below 1."""
+    grown = good_steps + 1 >= growth_interval
+    new_scale = jnp.where(finite, jnp.where(grown, scale * 2.0, scale), jnp.maximum(scale * 0.5, 1.0))
+    new_good = jnp.where(finite & ~grown, good_steps + 1, 0)
+    return new_scale, new_good.astype(good_steps.dtype)

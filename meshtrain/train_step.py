@@ -20,7 +20,7 @@ from meshtrain.config import Config, padded_vocab
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.model.transformer import Decoder
 from meshtrain.optim import lr_schedule, make_optimizer
-from meshtrain.precision import Precision
+from meshtrain.precision import Precision, update_loss_scale
 from meshtrain.sharding import ZeroLayout, make_rules, replicated
 
 BATCH = (None, "batch", None)  # tokens [A microbatches, B/A sequences, T+1]
@@ -33,6 +33,8 @@ class TrainState:
     opt_state: Any
     nonfinite_run: jax.Array  # int32: consecutive skipped steps (reset by a finite one)
     nonfinite_total: jax.Array  # int32: all skipped steps
+    loss_scale: jax.Array  # fp32: the loss is multiplied by it before differentiation (1 unless fp16)
+    scale_good_steps: jax.Array  # int32: finite steps since the loss scale last changed
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_opt, opt_param_sh,
                                    transform_non_params=lambda _: replicated(mesh))
     rep = replicated(mesh)
-    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, nonfinite_run=rep, nonfinite_total=rep)
+    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, nonfinite_run=rep, nonfinite_total=rep,
+                          loss_scale=rep, scale_good_steps=rep)
     return Setup(cfg, mesh, layout, model, optimizer, state_sh, layout.grads.tree_shardings(logical),
                  layout.params.sharding(BATCH))
 
@@ -87,14 +90,17 @@ def init_state(setup: Setup) -> TrainState:
         tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
         params = nn.unbox(setup.model.init(key, tokens)["params"])
         zero = jnp.zeros((), jnp.int32)
+        scale = setup.cfg.precision.loss_scale_init if setup.cfg.precision.compute == "float16" else 1.0
         return TrainState(step=zero, params=params, opt_state=setup.optimizer.init(params),
-                          nonfinite_run=zero, nonfinite_total=zero)
+                          nonfinite_run=zero, nonfinite_total=zero, loss_scale=jnp.asarray(scale, jnp.float32),
+                          scale_good_steps=zero)
 
     return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
 
 
-def make_grad_fn(setup: Setup) -> Callable[[Any, jax.Array], tuple[Any, jax.Array, jax.Array]]:
-    """(params, tokens [A, m, T+1]) -> (gradient sum, loss sum, token count), summed over microbatches."""
+def make_grad_fn(setup: Setup) -> Callable[..., tuple[Any, jax.Array, jax.Array]]:
+    """(params, tokens [A, m, T+1], scale=1.0) -> (gradient of scale * loss sum, loss sum, token count),
+    summed over microbatches."""
     cfg = setup.cfg
 
     def loss_sum(params, tokens_bt1):
@@ -102,17 +108,21 @@ def make_grad_fn(setup: Setup) -> Callable[[Any, jax.Array], tuple[Any, jax.Arra
         return cross_entropy_sum(h_btd, head_dv, tokens_bt1[:, 1:], policy=setup.model.policy,
                                  rules=setup.layout.params, vocab_size=cfg.model.vocab_size, impl=cfg.model.loss)
 
-    def micro(params, tokens_bt1):
-        (loss, n), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, tokens_bt1)
+    def scaled_loss_sum(params, tokens_bt1, scale):
+        loss, n = loss_sum(params, tokens_bt1)
+        return (loss if isinstance(scale, float) and scale == 1.0 else loss * scale), (loss, n)
+
+    def micro(params, tokens_bt1, scale):
+        (_, (loss, n)), grads = jax.value_and_grad(scaled_loss_sum, has_aux=True)(params, tokens_bt1, scale)
         # ZeRO-2/3: gradients leave the backward pass reduce-scattered over fsdp, not all-reduced.
         return jax.lax.with_sharding_constraint(grads, setup.grad_shardings), loss, n
 
-    def grad_fn(params, tokens_abt1):
+    def grad_fn(params, tokens_abt1, scale=1.0):
         if tokens_abt1.shape[0] == 1:
-            return micro(params, tokens_abt1[0])
+            return micro(params, tokens_abt1[0], scale)
 
         def body(acc, tokens_bt1):
-            grads, loss, n = micro(params, tokens_bt1)
+            grads, loss, n = micro(params, tokens_bt1, scale)
             return jax.tree.map(jnp.add, acc, (grads, loss, n)), None
 
         zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
@@ -126,10 +136,16 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, jax.Array], tuple[Tra
     """The jitted step: (state, tokens [A, m, T+1]) -> (state, metrics). The input state is donated."""
     grad_fn = make_grad_fn(setup)
     schedule = lr_schedule(setup.cfg.train)
+    fp16 = setup.cfg.precision.compute == "float16"
+
+    micro_tokens = setup.micro_batch * setup.cfg.data.seq_len
 
     def step(state: TrainState, tokens_abt1: jax.Array) -> tuple[TrainState, dict]:
-        grad_sum, loss_sum, n_tokens = grad_fn(state.params, tokens_abt1)
-        grads = jax.tree.map(lambda g: g / n_tokens, grad_sum)
+        # fp16: differentiate loss_scale * (per-token mean loss of a microbatch), the usual scaled
+        # objective; scaling the token *sum* would overflow fp16 cotangents. Other dtypes: no scaling.
+        mult = state.loss_scale / micro_tokens if fp16 else 1.0
+        grad_sum, loss_sum, n_tokens = grad_fn(state.params, tokens_abt1, mult)
+        grads = jax.tree.map(lambda g: g / (n_tokens * mult), grad_sum)
         loss = loss_sum / n_tokens
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -137,12 +153,17 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, jax.Array], tuple[Tra
         params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         applied = state.step - state.nonfinite_total  # the optimizer's own count: skipped steps don't move it
+        scale, good = state.loss_scale, state.scale_good_steps
+        if fp16:
+            scale, good = update_loss_scale(scale, good, finite,
+                                            growth_interval=setup.cfg.precision.loss_scale_growth_interval)
         new_state = TrainState(
             step=state.step + 1, params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
             nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
-            nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32))
+            nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32),
+            loss_scale=scale, scale_good_steps=good)
         metrics = dict(loss=loss, grad_norm=grad_norm, lr=schedule(applied), finite=finite, tokens=n_tokens,
-                       nonfinite_run=new_state.nonfinite_run)
+                       nonfinite_run=new_state.nonfinite_run, loss_scale=scale)
         return new_state, metrics
 
     return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),

@@ -107,3 +107,25 @@ def test_process_killed_while_saving_resumes_from_last_commit(tmp_path):
     losses = logged_losses(killed_dir)
     later = [s for s in range(resumed + 1, 41)]
     assert [losses[s] for s in later] == [full[s] for s in later]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_stops(tmp_path):
+    """Preemption: SIGTERM makes the run save the step it reached and exit 0; a restart resumes there."""
+    steps = ["train.steps=400", "train.schedule_steps=400"]
+    cmd = [sys.executable, "-m", "meshtrain.run", *CLI_TINY, *MESH_A, *steps, "checkpoint.every=1000",
+           f"run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    stopped = int(re.search(r"stopped by signal after step (\d+)", out).group(1))
+    assert 3 <= stopped < 400
+    assert committed_steps(tmp_path / "checkpoints") == [stopped]
+    out = run_cli(*MESH_A, f"train.steps={stopped + 2}", "train.schedule_steps=400", f"run.dir={tmp_path}").stdout
+    assert f"resumed from step {stopped}" in out
+    assert max(logged_losses(tmp_path)) == stopped + 2

@@ -1,0 +1,78 @@
+"""The train step's own guarantees: remat policies change memory, never values; non-finite steps
+leave the state untouched and are counted; the host stops after train.max_nonfinite of them."""
+import jax
+import numpy as np
+import pytest
+
+from helpers import make_setup, run_cli, single_device, tiny_config, train_losses
+from meshtrain.data import Batches
+from meshtrain.train_step import init_state, make_train_step
+
+
+@pytest.fixture(scope="module")
+def no_remat_losses():
+    return train_losses(make_setup(single_device(tiny_config("train.remat=none")), 1), 3)
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots", "save_attn", "names:qkv,mlp_hidden"])
+def test_remat_policy_changes_no_value(policy, no_remat_losses):
+    losses = train_losses(make_setup(single_device(tiny_config(f"train.remat={policy}")), 1), 3)
+    np.testing.assert_allclose(losses, no_remat_losses, rtol=1e-6)
+
+
+def test_tied_embeddings_train():
+    setup = make_setup(tiny_config("model.tie_embeddings=true", "mesh.fsdp=2", "mesh.tp=4"), 8)
+    assert "lm_head" not in init_state(setup).params
+    losses = train_losses(setup, 5)
+    assert losses[-1] < losses[0] - 0.1
+
+
+def test_nonfinite_step_keeps_state_and_counts():
+    # An absurd learning rate sends the weights to ~1e30 in one step; the next forward pass overflows.
+    setup = make_setup(single_device(tiny_config("train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0")), 1)
+    cfg = setup.cfg
+    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
+                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    step = make_train_step(setup)
+    state, m = step(init_state(setup), batches.batch(0))
+    assert bool(m["finite"])
+    after_first = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    for i in range(1, 4):
+        state, m = step(state, batches.batch(i))
+        assert not bool(m["finite"])
+        assert int(state.nonfinite_run) == i and int(state.nonfinite_total) == i
+    assert int(state.step) == 4  # the data position moves on; the weights do not
+    for a, b in zip(jax.tree.leaves(after_first), jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_host_stops_after_max_nonfinite(tmp_path):
+    proc = run_cli("train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0", "train.max_nonfinite=3",
+                   "train.steps=20", f"run.dir={tmp_path}", check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "train.max_nonfinite=3" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_loss_scale_halves_on_overflow_and_grows_after_interval():
+    import jax.numpy as jnp
+
+    from meshtrain.precision import update_loss_scale
+    scale, good = jnp.float32(1024.0), jnp.int32(0)
+    scale, good = update_loss_scale(scale, good, jnp.bool_(False), growth_interval=3)
+    assert (float(scale), int(good)) == (512.0, 0)
+    for expect_good in (1, 2):
+        scale, good = update_loss_scale(scale, good, jnp.bool_(True), growth_interval=3)
+        assert (float(scale), int(good)) == (512.0, expect_good)
+    scale, good = update_loss_scale(scale, good, jnp.bool_(True), growth_interval=3)
+    assert (float(scale), int(good)) == (1024.0, 0)
+    one, _ = update_loss_scale(jnp.float32(1.0), jnp.int32(0), jnp.bool_(False), growth_interval=3)
+    assert float(one) == 1.0
+
+
+def test_fp16_with_loss_scaling_tracks_fp32(no_remat_losses):
+    """fp16 compute (loss scaled by 2^15) follows the fp32 run within fp16's ~1e-3 rounding, grown
+    over 3 steps of training: rtol 2e-2."""
+    setup = make_setup(single_device(tiny_config("precision.compute=float16")), 1)
+    losses = train_losses(setup, 3)
+    assert all(np.isfinite(losses))
+    np.testing.assert_allclose(losses, no_remat_losses, rtol=2e-2)
