@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.config import Config, padded_vocab
+from meshtrain.data import Batches
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.model.transformer import Decoder
 from meshtrain.optim import lr_schedule, make_optimizer
@@ -83,6 +84,13 @@ def build_setup(cfg: Config, mesh: Mesh) -> Setup:
                  layout.params.sharding(BATCH))
 
 
+def make_batches(setup: Setup) -> Batches:
+    """The run's batches, laid out and sharded as the step takes them."""
+    c = setup.cfg
+    return Batches(c.data, vocab_size=c.model.vocab_size, global_batch=c.train.global_batch,
+                   grad_accum=c.train.grad_accum, seed=c.train.seed, sharding=setup.batch_sharding)
+
+
 def init_state(setup: Setup) -> TrainState:
     """Parameters drawn from `train.seed`, created already sharded (identical on any mesh)."""
 
@@ -110,7 +118,7 @@ def make_grad_fn(setup: Setup) -> Callable[..., tuple[Any, jax.Array, jax.Array]
 
     def scaled_loss_sum(params, tokens_bt1, scale):
         loss, n = loss_sum(params, tokens_bt1)
-        return (loss if isinstance(scale, float) and scale == 1.0 else loss * scale), (loss, n)
+        return loss * scale, (loss, n)  # scale 1.0 (all but fp16) multiplies exactly
 
     def micro(params, tokens_bt1, scale):
         (_, (loss, n)), grads = jax.value_and_grad(scaled_loss_sum, has_aux=True)(params, tokens_bt1, scale)
@@ -137,7 +145,6 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, jax.Array], tuple[Tra
     grad_fn = make_grad_fn(setup)
     schedule = lr_schedule(setup.cfg.train)
     fp16 = setup.cfg.precision.compute == "float16"
-
     micro_tokens = setup.micro_batch * setup.cfg.data.seq_len
 
     def step(state: TrainState, tokens_abt1: jax.Array) -> tuple[TrainState, dict]:

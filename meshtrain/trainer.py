@@ -14,9 +14,8 @@ import jax
 
 from meshtrain.checkpoint import Checkpointer, abstract_state
 from meshtrain.config import Config
-from meshtrain.data import Batches
 from meshtrain.metrics import MetricsLog, Throughput, count_params, flops_per_token, memory_in_use, peak_flops
-from meshtrain.train_step import Setup, TrainState, build_setup, init_state, make_train_step
+from meshtrain.train_step import Setup, TrainState, build_setup, init_state, make_batches, make_train_step
 
 
 class NonFiniteError(RuntimeError):
@@ -67,8 +66,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
-    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=t.global_batch,
-                      grad_accum=t.grad_accum, seed=t.seed, sharding=setup.batch_sharding)
+    batches = make_batches(setup)
     use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save) \
         if use_ckpt else None

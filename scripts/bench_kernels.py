@@ -128,9 +128,15 @@ def rms_rows(args, results):
            "gbps": 2 * 4 * n * d * elt / t / 1e9}
     results.append(row)
     print(fmt(row), flush=True)
+    torch_row = torch_copy_row(4 * n * d * elt)
+    if torch_row:
+        results.append(torch_row)
+        print(fmt(torch_row), flush=True)
     impls = [("pallas", rms_norm), ("jnp", rms_norm_reference)]
     if args.sweep:
-        for cfg in ((2, 16, 2, 8, 4), (4, 32, 2, 8, 4), (4, 16, 1, 8, 4), (4, 16, 2, 8, 2)):
+        for cfg in ((2, 16, 2, 8, 4), (4, 32, 2, 8, 4), (4, 16, 1, 8, 4), (4, 16, 2, 8, 2), (4, 32, 4, 8, 8),
+                    (4, 64, 4, 8, 8), (4, 32, 2, 8, 8), (4, 16, 4, 8, 4), (4, 64, 8, 8, 8), (8, 32, 4, 16, 8),
+                    (4, 8, 2, 8, 4), (4, 8, 1, 8, 2)):
             bs = RmsNormBlockSizes(*cfg)
             impls.append((f"pallas [{'/'.join(map(str, cfg))}]", functools.partial(rms_norm, block_sizes=bs)))
     for impl, fn in impls:
@@ -157,6 +163,35 @@ def rms_rows(args, results):
                 traceback.print_exc(limit=2)
             results.append(row)
             print(fmt(row), flush=True)
+
+
+def torch_copy_row(nbytes: int):
+    """Device-to-device copy ceiling through torch (cudaMemcpy, timed with CUDA events), when torch
+    with CUDA is installed: XLA's elementwise x*2 is a kernel, not the copy engine's ceiling."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = [torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    dst = torch.empty_like(src[0])
+    for i in range(3):
+        dst.copy_(src[i % 2])
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(10):
+            dst.copy_(src[i % 2])
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / 10)
+    t = statistics.median(times)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"kernel": "copy", "name": f"torch copy_ {nbytes >> 20} MiB", "mode": "fwd", "ms": t * 1e3,
+            "gbps": 2 * nbytes / t / 1e9}
 
 
 def ce_rows(args, results):

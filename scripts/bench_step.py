@@ -13,10 +13,9 @@ import jax
 import numpy as np
 
 from meshtrain.config import load_config, validate, with_mesh
-from meshtrain.data import Batches
 from meshtrain.mesh import build_mesh
 from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
-from meshtrain.train_step import build_setup, init_state, make_train_step
+from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
 
 
 def main() -> None:
@@ -32,8 +31,7 @@ def main() -> None:
     cfg = with_mesh(cfg, degrees)
     mesh = build_mesh(degrees)
     setup = build_setup(cfg, mesh)
-    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
-                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    batches = make_batches(setup)
     state = init_state(setup)
     step = make_train_step(setup)
     batch = [batches.batch(i) for i in range(4)]  # data off the clock: the step alone is timed

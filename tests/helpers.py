@@ -5,9 +5,8 @@ import jax
 import numpy as np
 
 from meshtrain.config import MESH_AXES, Config, build_config, validate, with_mesh
-from meshtrain.data import Batches
 from meshtrain.mesh import build_mesh
-from meshtrain.train_step import Setup, build_setup, init_state, make_grad_fn, make_train_step
+from meshtrain.train_step import Setup, build_setup, init_state, make_batches, make_grad_fn, make_train_step
 
 # Small enough for 2 CPU cores, shaped so that every axis can split: 4 query heads and 2 kv heads
 # (so tp=4 replicates kv heads and tp=2 splits them), d_model 64 over fsdp=8, vocab 128 over tp=4.
@@ -33,9 +32,7 @@ def single_device(cfg: Config) -> Config:
 
 
 def train_losses(setup: Setup, n_steps: int) -> list[float]:
-    cfg = setup.cfg
-    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
-                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    batches = make_batches(setup)
     state, step = init_state(setup), make_train_step(setup)
     losses = []
     for i in range(n_steps):
@@ -57,9 +54,7 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 def first_gradients(setup: Setup) -> dict:
     """Mean-over-tokens gradient at the initial parameters, on the first batch, as numpy."""
-    cfg = setup.cfg
-    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
-                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    batches = make_batches(setup)
     state = init_state(setup)
     grad_fn = jax.jit(make_grad_fn(setup))
     grads, _, n = grad_fn(state.params, batches.batch(0))

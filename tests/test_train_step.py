@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import make_setup, run_cli, single_device, tiny_config, train_losses
-from meshtrain.data import Batches
-from meshtrain.train_step import init_state, make_train_step
+from meshtrain.train_step import init_state, make_batches, make_train_step
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +29,7 @@ def test_tied_embeddings_train():
 def test_nonfinite_step_keeps_state_and_counts():
     # An absurd learning rate sends the weights to ~1e30 in one step; the next forward pass overflows.
     setup = make_setup(single_device(tiny_config("train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0")), 1)
-    cfg = setup.cfg
-    batches = Batches(cfg.data, vocab_size=cfg.model.vocab_size, global_batch=cfg.train.global_batch,
-                      grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, sharding=setup.batch_sharding)
+    batches = make_batches(setup)
     step = make_train_step(setup)
     state, m = step(init_state(setup), batches.batch(0))
     assert bool(m["finite"])
