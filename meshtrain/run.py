@@ -11,7 +11,8 @@ import importlib.util
 import os
 import sys
 
-from meshtrain.config import ConfigError, cpu_default_overrides, help_text, load_config, to_yaml, validate, with_mesh
+from meshtrain.config import (ConfigError, cpu_default_overrides, help_text, load_config, padded_vocab, to_yaml,
+                              validate, with_mesh)
 
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
 
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(e)
     if jax.process_index() == 0:
+        padded = padded_vocab(cfg.model, degrees["tp"])
+        if padded != cfg.model.vocab_size:
+            print(f"meshtrain: model.vocab_size={cfg.model.vocab_size} padded to {padded} so that mesh.tp="
+                  f"{degrees['tp']} divides it; the {padded - cfg.model.vocab_size} extra logits are masked", flush=True)
         print(f"meshtrain: mesh {describe(mesh)}, model {cfg.model.preset} "
               f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), {cfg.precision.compute} compute, "
               f"ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, attention {cfg.model.attention}", flush=True)

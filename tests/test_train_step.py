@@ -73,3 +73,35 @@ def test_fp16_with_loss_scaling_tracks_fp32(no_remat_losses):
     losses = train_losses(setup, 3)
     assert all(np.isfinite(losses))
     np.testing.assert_allclose(losses, no_remat_losses, rtol=2e-2)
+
+
+def test_unscanned_layers_train():
+    setup = make_setup(tiny_config("model.scan_layers=false", "mesh.fsdp=4", "mesh.tp=2"), 8)
+    assert {"layer_0", "layer_1"} <= set(init_state(setup).params)
+    losses = train_losses(setup, 5)
+    assert losses[-1] < losses[0] - 0.1
+
+
+def test_padded_vocab_is_announced(tmp_path):
+    out = run_cli("model.vocab_size=125", "train.steps=2", f"run.dir={tmp_path}").stdout
+    assert "model.vocab_size=125 padded to 126" in out
+
+
+def test_padded_vocab_columns_get_no_probability():
+    import jax.numpy as jnp
+
+    from meshtrain.model.loss import cross_entropy_sum
+    from meshtrain.precision import Precision
+    setup = make_setup(single_device(tiny_config()), 1)
+    rng = np.random.default_rng(0)
+    h_btd = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+    head_dv = rng.normal(size=(8, 6)).astype(np.float32)
+    head_dv[:, 5] = 50.0  # a pad column that would dominate the softmax if it were not masked
+    labels_bt = jnp.asarray([[0, 1, 2], [3, 4, -100]])
+    loss, n = cross_entropy_sum(h_btd, jnp.asarray(head_dv), labels_bt, policy=Precision.from_names("float32"),
+                                rules=setup.layout.params, vocab_size=5)
+    logits = np.asarray(h_btd) @ head_dv[:, :5]
+    lse = np.log(np.exp(logits).sum(-1))
+    want = sum(lse[b, t] - logits[b, t, lab] for b, row in enumerate([[0, 1, 2], [3, 4]]) for t, lab in enumerate(row))
+    assert float(n) == 5
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
