@@ -57,7 +57,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    attention: Literal["reference", "cudnn", "pallas"] = "reference"
+    attention: Literal["auto", "reference", "cudnn", "pallas"] = "auto"  # auto: cudnn on GPUs (bf16/fp16)
     norm: Literal["reference", "pallas"] = "reference"
     loss: Literal["reference", "fused"] = "reference"
     scan_layers: bool = True

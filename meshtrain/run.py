@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax  # noqa: E402  (after the device-count flag)
 
     from meshtrain.mesh import build_mesh, describe, initialize_distributed
+    from meshtrain.model.attention import resolve as resolve_attention
     from meshtrain.trainer import NonFiniteError, train
 
     try:
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{degrees['tp']} divides it; the {padded - cfg.model.vocab_size} extra logits are masked", flush=True)
         print(f"meshtrain: mesh {describe(mesh)}, model {cfg.model.preset} "
               f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), {cfg.precision.compute} compute, "
-              f"ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, attention {cfg.model.attention}", flush=True)
+              f"ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, attention "
+              f"{resolve_attention(cfg.model.attention, jax.numpy.dtype(cfg.precision.compute))}", flush=True)
     try:
         result = train(cfg, mesh)
     except ConfigError as e:

@@ -6,6 +6,7 @@ H/K query heads) and return o [B, T, H, E] in q's dtype:
   reference  jnp einsums, fp32 scores and softmax; runs anywhere, the numerical yardstick
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"): fused flash attention on NVIDIA GPUs
   pallas     pallas_kernels.flash_attention (Pallas GPU kernel; interpret mode on CPU)
+  auto       cudnn on a GPU with bf16/fp16 inputs (measured fastest: docs/PERFORMANCE.md), else reference
 """
 from __future__ import annotations
 
@@ -14,11 +15,19 @@ import jax.numpy as jnp
 
 from meshtrain.sharding import ShardingRules
 
-IMPLEMENTATIONS = ("reference", "cudnn", "pallas")
+IMPLEMENTATIONS = ("auto", "reference", "cudnn", "pallas")
+
+
+def resolve(impl: str, dtype: jnp.dtype) -> str:
+    if impl != "auto":
+        return impl
+    fused_ok = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+    return "cudnn" if fused_ok else "reference"
 
 
 def attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, *, impl: str,
               rules: ShardingRules) -> jax.Array:
+    impl = resolve(impl, q_bthe.dtype)
     if impl == "reference":
         return reference_attention(q_bthe, k_bske, v_bske)
     if impl == "cudnn":
