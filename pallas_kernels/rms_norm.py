@@ -5,6 +5,9 @@
   backward  grid (N/rb,):   each program walks rb rows `chunk` at a time and keeps its dw partial
                              sum in fp32 registers; dx = rstd * (dy*w - s_hat * mean(dy*w*s_hat)) (+ ds).
                              The [N/rb, D] partials are summed by XLA (a small fraction of the traffic).
+            or, with programs_bwd = P > 0, a persistent grid (P,): program p walks the chunks
+                             p, p + P, p + 2P, ... of `chunk` rows over full-array refs, so the
+                             partials are [P, D] whatever N is.
 Bytes (bf16, with residual): fwd 4*N*D*2 (x, r in; y, s out), bwd 4*N*D*2 (s, dy, ds in; dx out).
 """
 from __future__ import annotations
@@ -22,14 +25,26 @@ from pallas_kernels._common import check_float_dtype, is_pow2, next_pow2, round_
 
 @dataclasses.dataclass(frozen=True)
 class RmsNormBlockSizes:
-    """Rows per forward program; rows per backward program and rows per backward loop step."""
+    """Rows per forward program; rows per backward program and rows per backward loop step.
+
+    programs_bwd = 0: backward grid (N/block_rows_bwd,). programs_bwd = P > 0: persistent backward
+    grid of min(P, N/chunk_rows_bwd) programs striding over chunks of chunk_rows_bwd rows
+    (block_rows_bwd then only sets the row padding). prefetch_bwd: each backward step loads the
+    next step's rows before its own math (one step of loads always in flight).
+    """
     block_rows: int = 4
     block_rows_bwd: int = 16
     chunk_rows_bwd: int = 2
     num_warps: int = 8
     num_warps_bwd: int = 4
+    programs_bwd: int = 264  # 2 per SM on a 132-SM H100/H200
+    prefetch_bwd: bool = True
 
     def __post_init__(self):
+        if not (isinstance(self.programs_bwd, int) and self.programs_bwd >= 0):
+            raise ValueError(f"RmsNormBlockSizes.programs_bwd must be an int >= 0; got {self.programs_bwd!r}")
+        if not isinstance(self.prefetch_bwd, bool):
+            raise ValueError(f"RmsNormBlockSizes.prefetch_bwd must be a bool; got {self.prefetch_bwd!r}")
         for f in ("block_rows", "block_rows_bwd", "chunk_rows_bwd", "num_warps", "num_warps_bwd"):
             val = getattr(self, f)
             if not is_pow2(val):
@@ -62,26 +77,55 @@ def _fwd_kernel(*refs, d: int, eps: float, has_res: bool):
     rstd_ref[...] = rstd
 
 
-def _bwd_kernel(*refs, d: int, chunk: int, n_chunks: int, has_res: bool):
+def _bwd_kernel(*refs, d: int, chunk: int, n_chunks: int, has_res: bool, programs: int = 0,
+                prefetch: bool = False):
+    """programs == 0: the refs are this program's rb-row blocks, walked in n_chunks steps.
+    programs == P > 0: the refs are the full arrays (n_chunks * chunk rows); program p walks the
+    chunks p, p + P, ... (at least one: P <= n_chunks).
+    prefetch: step c issues the loads of step c + 1 (the last step reloads itself) before its own
+    math, so a program keeps one step of loads in flight while it reduces and stores."""
     if has_res:
         s_ref, w_ref, rstd_ref, dy_ref, ds_ref, dx_ref, dw_ref = refs
     else:
         s_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref = refs
+        ds_ref = None
     w = w_ref[...].astype(jnp.float32)[None, :]
+    if programs:
+        pid = pl.program_id(0)
+        steps = lax.div(n_chunks - 1 - pid, programs) + 1  # operands >= 0
+        rows_of = lambda c: pl.ds((pid + c * programs) * chunk, chunk)
+    else:
+        steps = n_chunks
+        rows_of = lambda c: pl.ds(c * chunk, chunk)
 
-    def body(c, dw):
-        rows = pl.ds(c * chunk, chunk)
-        rstd = rstd_ref[rows][:, None]
-        s_hat = s_ref[rows, :].astype(jnp.float32) * rstd
-        dy = dy_ref[rows, :].astype(jnp.float32)
+    def load(c):
+        rows = rows_of(c)
+        return (rstd_ref[rows], s_ref[rows, :], dy_ref[rows, :],
+                ds_ref[rows, :] if has_res else None)
+
+    def step(c, vals, dw):
+        rstd, s, dy, ds = vals
+        rstd = rstd[:, None]
+        s_hat = s.astype(jnp.float32) * rstd
+        dy = dy.astype(jnp.float32)
         g = dy * w
         dx = rstd * (g - s_hat * (jnp.sum(g * s_hat, axis=1, keepdims=True) / d))
         if has_res:
-            dx = dx + ds_ref[rows, :].astype(jnp.float32)
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+            dx = dx + ds.astype(jnp.float32)
+        dx_ref[rows_of(c), :] = dx.astype(dx_ref.dtype)
         return dw + jnp.sum(dy * s_hat, axis=0)
 
-    dw_ref[...] = lax.fori_loop(0, n_chunks, body, jnp.zeros((w.shape[1],), jnp.float32))
+    dw0 = jnp.zeros((w.shape[1],), jnp.float32)
+    if prefetch:
+        def body(c, carry):
+            dw, vals = carry
+            nxt = load(jnp.minimum(c + 1, steps - 1))
+            return step(c, vals, dw), nxt
+
+        dw, _ = lax.fori_loop(0, steps, body, (dw0, load(0)))
+    else:
+        dw = lax.fori_loop(0, steps, lambda c, dw: step(c, load(c), dw), dw0)
+    dw_ref[...] = dw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +159,27 @@ def _backward(s2, w, rstd, dy2, ds2, plan: _Plan):
     n, dp = s2.shape
     bs = plan.blocks
     rb, chunk = bs.block_rows_bwd, bs.chunk_rows_bwd
-    row = pl.BlockSpec((rb, dp), lambda i: (i, 0))
-    ins = [row, pl.BlockSpec((dp,), lambda i: (0,)), pl.BlockSpec((rb,), lambda i: (i,)), row]
+    if bs.programs_bwd:  # persistent: every program sees the full arrays
+        programs = min(bs.programs_bwd, n // chunk)
+        grid, n_chunks = programs, n // chunk
+        row = pl.BlockSpec((n, dp), lambda i: (0, 0))
+        vec = pl.BlockSpec((n,), lambda i: (0,))
+    else:
+        programs, grid, n_chunks = 0, n // rb, rb // chunk
+        row = pl.BlockSpec((rb, dp), lambda i: (i, 0))
+        vec = pl.BlockSpec((rb,), lambda i: (i,))
+    ins = [row, pl.BlockSpec((dp,), lambda i: (0,)), vec, row]
     args = [s2, w, rstd, dy2]
     if plan.has_res:
         ins.append(row)
         args.append(ds2)
     dx, dw_part = pl.pallas_call(
-        functools.partial(_bwd_kernel, d=plan.d, chunk=chunk, n_chunks=rb // chunk, has_res=plan.has_res),
-        grid=(n // rb,), in_specs=ins,
+        functools.partial(_bwd_kernel, d=plan.d, chunk=chunk, n_chunks=n_chunks, has_res=plan.has_res,
+                          programs=programs, prefetch=bs.prefetch_bwd),
+        grid=(grid,), in_specs=ins,
         out_specs=[row, pl.BlockSpec((None, dp), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct(s2.shape, s2.dtype),
-                   jax.ShapeDtypeStruct((n // rb, dp), jnp.float32)],
+                   jax.ShapeDtypeStruct((grid, dp), jnp.float32)],
         compiler_params=triton_params(bs.num_warps_bwd, 2), interpret=plan.interpret,
         name="rms_norm_bwd",
     )(*args)

@@ -4,6 +4,8 @@ Tolerances (relative L2 error): fp32 1e-5 (same fp32 math, only reduction order 
 bf16 1e-2 (the kernel adds ds to dx in fp32 and rounds once; the reference rounds the norm's
 gradient and the sum separately: one extra bf16 rounding, 2^-8 relative).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,20 @@ import pytest
 
 from pallas_kernels import RmsNormBlockSizes, rms_norm, rms_norm_reference
 
-SMALL = RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=4)
+# The default backward scheme (persistent grid, prefetch) at a small size: 12 chunks of 4 rows
+# over 5 programs (3,3,2,2,2 chunks each) for 39 and 40 rows.
+SMALL = RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=4, programs_bwd=5, prefetch_bwd=True)
+# Other backward variants: one program per 16-row block (with and without prefetch); persistent
+# without prefetch; more programs than chunks (64 asked, 24 chunks of 2 rows: clamped to 24).
+BWD_VARIANTS = {
+    "grid": RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=4, programs_bwd=0,
+                              prefetch_bwd=False),
+    "grid_prefetch": RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=4, programs_bwd=0),
+    "persistent5": RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=4, programs_bwd=5,
+                                     prefetch_bwd=False),
+    "persistent64_prefetch": RmsNormBlockSizes(block_rows=4, block_rows_bwd=16, chunk_rows_bwd=2,
+                                               programs_bwd=64),
+}
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
@@ -31,6 +46,16 @@ def _run(fn, x, r, w, cts, with_res):
 @pytest.mark.parametrize("with_res", [False, True])
 @pytest.mark.parametrize("shape", [(3, 13, 96), (40, 64)])  # 39 rows (not a block multiple), D not 2^k
 def test_matches_reference(dtype, with_res, shape):
+    _check_against_reference(dtype, with_res, shape, SMALL)
+
+
+@pytest.mark.parametrize("variant", sorted(BWD_VARIANTS))
+@pytest.mark.parametrize("dtype,with_res", [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, True)])
+def test_backward_variants_match_reference(variant, dtype, with_res):
+    _check_against_reference(dtype, with_res, (3, 13, 96), BWD_VARIANTS[variant])
+
+
+def _check_against_reference(dtype, with_res, shape, block_sizes):
     ks = jax.random.split(jax.random.PRNGKey(sum(shape) + with_res), 5)
     x = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
     r = jax.random.normal(ks[1], shape, jnp.float32).astype(dtype)
@@ -38,7 +63,7 @@ def test_matches_reference(dtype, with_res, shape):
     dy = jax.random.normal(ks[3], shape, jnp.float32).astype(dtype)
     ds = jax.random.normal(ks[4], shape, jnp.float32).astype(dtype)
     cts = (dy, ds) if with_res else dy
-    kern = lambda x, w, residual: rms_norm(x, w, residual=residual, block_sizes=SMALL, interpret=True)
+    kern = lambda x, w, residual: rms_norm(x, w, residual=residual, block_sizes=block_sizes, interpret=True)
     out, grads = _run(kern, x, r, w, cts, with_res)
     out_ref, grads_ref = _run(rms_norm_reference, x, r, w, cts, with_res)
     outs, outs_ref = jax.tree.leaves(out), jax.tree.leaves(out_ref)
@@ -80,17 +105,27 @@ def test_bad_arguments_raise():
         rms_norm(jnp.ones((4, 8), jnp.int32), jnp.ones((8,)), interpret=True)
     with pytest.raises(ValueError, match="block_rows must be a power of two; got 3"):
         RmsNormBlockSizes(block_rows=3)
+    with pytest.raises(ValueError, match="programs_bwd must be an int >= 0; got -1"):
+        RmsNormBlockSizes(programs_bwd=-1)
+    with pytest.raises(ValueError, match="prefetch_bwd must be a bool; got 1"):
+        RmsNormBlockSizes(prefetch_bwd=1)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_sizes", [
+    None,  # persistent, 264 programs: 2000 chunks of 2 rows, unequal per program
+    RmsNormBlockSizes(programs_bwd=0, prefetch_bwd=False),
+    RmsNormBlockSizes(programs_bwd=0),
+    RmsNormBlockSizes(chunk_rows_bwd=4, num_warps_bwd=8, programs_bwd=528, prefetch_bwd=False),
+], ids=["default", "grid", "grid_prefetch", "persistent528"])
 @pytest.mark.parametrize("with_res", [False, True])
-def test_gpu_matches_reference(with_res):
+def test_gpu_matches_reference(with_res, block_sizes):
     ks = jax.random.split(jax.random.PRNGKey(3), 5)
-    shape = (4096, 2048)
+    shape = (4000, 2048)
     x, r, dy, ds = (jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16) for k in ks[:4])
     w = (1.0 + 0.2 * jax.random.normal(ks[4], (2048,))).astype(jnp.bfloat16)
     cts = (dy, ds) if with_res else dy
-    out, grads = _run(rms_norm, x, r, w, cts, with_res)
+    out, grads = _run(functools.partial(rms_norm, block_sizes=block_sizes), x, r, w, cts, with_res)
     out_ref, grads_ref = _run(rms_norm_reference, x, r, w, cts, with_res)
     for g, want in zip(jax.tree.leaves((out, grads)), jax.tree.leaves((out_ref, grads_ref))):
         if not np.asarray(want, np.float32).any():
