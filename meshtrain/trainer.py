@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from meshtrain.checkpoint import Checkpointer, abstract_state
-from meshtrain.config import Config
+from meshtrain.config import Config, ConfigError, padded_vocab
 from meshtrain.metrics import MetricsLog, Throughput, count_params, flops_per_token, memory_in_use, peak_flops
 from meshtrain.train_step import Setup, TrainState, build_setup, init_state, make_batches, make_train_step
 
@@ -59,8 +59,27 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
     latest = ckpt.latest_step() if ckpt else None
     if latest is None:
         return init_state(setup), None
+    check_compatible(setup.cfg, ckpt.saved_config(latest), ckpt.directory, latest)
     shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
     return ckpt.restore(latest, abstract_state(setup.state_shardings, shapes)), latest
+
+
+# Model fields that decide the parameter tree; the rest (kernels, norms' eps, ...) may change on resume.
+SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
+                "tie_embeddings", "scan_layers")
+
+
+def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
+    """Refuse, with the differing fields named, to restore a checkpoint of another model shape."""
+    problems = [f"model.{k}={getattr(cfg.model, k)!r} but the checkpoint has {saved['model'][k]!r}"
+                for k in SHAPE_FIELDS if saved["model"].get(k) != getattr(cfg.model, k)]
+    saved_vocab = padded_vocab(cfg.model, saved["mesh"]["tp"])  # vocab_size itself matched above
+    if not problems and saved_vocab != padded_vocab(cfg.model, cfg.mesh.tp):
+        problems.append(f"mesh.tp={cfg.mesh.tp} pads model.vocab_size={cfg.model.vocab_size} differently from the "
+                        f"checkpoint's mesh.tp={saved['mesh']['tp']} ({saved_vocab} rows); use a tp that pads alike")
+    if problems:
+        raise ConfigError([f"checkpoint.dir={str(directory)!r} step {step} is another model: {p}; resume with the "
+                           f"same model settings or point checkpoint.dir elsewhere" for p in problems])
 
 
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:

@@ -129,3 +129,11 @@ def test_sigterm_saves_and_stops(tmp_path):
     out = run_cli(*MESH_A, f"train.steps={stopped + 2}", "train.schedule_steps=400", f"run.dir={tmp_path}").stdout
     assert f"resumed from step {stopped}" in out
     assert max(logged_losses(tmp_path)) == stopped + 2
+
+
+def test_resuming_another_model_shape_is_a_config_error(stopped_at_3, tmp_path):
+    shutil.copytree(stopped_at_3 / "checkpoints", tmp_path / "checkpoints")
+    proc = run_cli(*MESH_A, *SIX, "model.d_model=32", f"run.dir={tmp_path}", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "model.d_model=32 but the checkpoint has 64" in proc.stderr
+    assert "Traceback" not in proc.stderr
