@@ -405,6 +405,9 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     need(m.n_kv_heads < tp or m.n_kv_heads % tp == 0,
          f"model.n_kv_heads={m.n_kv_heads}: with mesh.tp={tp} it must be divisible by tp (or fewer than tp, "
          f"then replicated); choose tp dividing {m.n_kv_heads}")
+    need(m.attention != "pallas" or m.n_kv_heads >= tp or tp % m.n_kv_heads == 0,
+         f"model.attention=pallas with model.n_kv_heads={m.n_kv_heads} < mesh.tp={tp}: tp must be a multiple of "
+         f"n_kv_heads so that each tp shard's query heads share one kv head")
     need(m.d_ff % tp == 0, f"model.d_ff={m.d_ff}: must be divisible by mesh.tp={tp}")
     if ok_mesh:
         fsdp = degrees["fsdp"]

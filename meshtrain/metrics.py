@@ -81,8 +81,8 @@ def format_record(r: dict[str, Any]) -> str:
         parts.append(f"{r['tflops_per_device']:.0f} TFLOP/s/dev  MFU {r['mfu'] * 100:.1f}%")
     if "peak_mem_gib" in r:
         parts.append(f"mem {r['mem_gib']:.1f}/{r['peak_mem_gib']:.1f} GiB")
-    if r.get("skipped"):
-        parts.append(f"skipped {r['skipped']} non-finite")
+    if r.get("nonfinite_run"):
+        parts.append(f"{r['nonfinite_run']} non-finite step(s) skipped in a row")
     return "  ".join(parts)
 
 

@@ -126,7 +126,7 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         rec = dict(step=step_no, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]), lr=float(m["lr"]),
                    tokens_per_s=tokens_per_step / dt, step_time_s=dt,
                    tflops_per_device=flops_step / dt / n_dev / 1e12,
-                   mfu=(flops_step / dt / n_dev / peak) if peak else None, skipped=int(m["nonfinite_run"]),
+                   mfu=(flops_step / dt / n_dev / peak) if peak else None, nonfinite_run=int(m["nonfinite_run"]),
                    includes_compile=includes_compile, **memory_in_use())
         log.log(rec)
         result.records.append(rec)
