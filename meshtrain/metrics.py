@@ -53,6 +53,13 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.is_writer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if first_step == 0 and self.path.exists():
+                # A fresh run in a used run.dir: keep the old records, but out of this run's file.
+                stamp, n = int(self.path.stat().st_mtime), 0
+                while (old := self.path.with_name(f"metrics.{stamp}{f'-{n}' if n else ''}.jsonl")).exists():
+                    n += 1
+                self.path.rename(old)
+                print(f"meshtrain: {self.path} held an earlier run's records; moved to {old.name}", flush=True)
         show_bar = progress and self.is_writer and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step",
                         dynamic_ncols=True, leave=True)
