@@ -95,23 +95,22 @@ class Batches:
             self.source = SyntheticSource(vocab_size, data.seq_len, seed)
         else:
             self.source = TokenFileSource(data.path, data.dtype, data.seq_len, seed, vocab_size, global_batch)
-        self._local = self._local_slices()
+        self._rows = self._local_rows_range()
 
-    def _local_slices(self) -> tuple[slice, slice]:
-        """The (microbatch, row) ranges this process's devices hold; one contiguous block of rows."""
+    def _local_rows_range(self) -> slice:
+        """The rows (of every microbatch) this process's devices hold: one contiguous block."""
         idx = self.sharding.addressable_devices_indices_map(self.shape).values()
         rows = [(s[1].start or 0, s[1].stop if s[1].stop is not None else self.shape[1]) for s in idx]
         lo, hi = min(r[0] for r in rows), max(r[1] for r in rows)
         covered = sum(b - a for a, b in set(rows))
         if covered != hi - lo:
             raise ConfigError(f"this process's batch rows {sorted(set(rows))} are not contiguous; the mesh "
-                               f"must put whole hosts on the batch axes (dp, fsdp)")
-        return slice(None), slice(lo, hi)
+                              f"must put whole hosts on the batch axes (dp, fsdp)")
+        return slice(lo, hi)
 
     def local_rows(self, step: int) -> np.ndarray:
         """This process's part [A, rows, T+1]. Global row id = microbatch * m + row, as in one big batch."""
-        _, rows = self._local
-        m = self.shape[1]
+        rows, m = self._rows, self.shape[1]
         ids_ar = np.arange(self.grad_accum)[:, None] * m + np.arange(rows.start, rows.stop)[None, :]
         return self.source.rows(step, ids_ar.reshape(-1)).reshape(self.grad_accum, rows.stop - rows.start, -1)
 
