@@ -196,6 +196,9 @@ class RunConfig:
     cpu_devices: int = 8  # simulated devices when only a CPU is found (set before jax starts)
     memory_guard: bool = True  # refuse a config whose memory estimate exceeds the device (host on CPU)
     tensorboard: bool = False  # also write every metric as TensorBoard events to <run.dir>/tensorboard
+    # "START:END": trace the steps that take the state's step counter from START to END into
+    # <run.dir>/profile (docs/PROFILE.md); empty for none.
+    profile_steps: str = ""
 
 
 @dataclass(frozen=True)
@@ -623,10 +626,34 @@ def validate_new_sections(cfg: Config) -> list[str]:
                         "draws its eval batches from a stream of its own")
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         problems.append("run.tensorboard=true needs the tensorboardX package: pip install 'meshtrain[tensorboard]'")
+    problems.extend(profile_problems(cfg))
     if d.source == "file" and e.every and not (d.eval_fraction or d.eval_path):
         problems.append(f"eval.every={e.every} needs held-out data: set data.eval_fraction (e.g. 0.01, the end of "
                         f"data.path) or data.eval_path")
     return problems
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """run.profile_steps "START:END" -> (START, END); None when empty or malformed (validate() says which)."""
+    start, sep, end = text.strip().partition(":")
+    try:
+        return (int(start), int(end)) if sep else None
+    except ValueError:
+        return None
+
+
+def profile_problems(cfg: Config) -> list[str]:
+    text, steps = cfg.run.profile_steps, cfg.train.steps
+    if not text:
+        return []
+    r = profile_range(text)
+    if r is None or not 0 <= r[0] < r[1]:
+        # A YAML file reads an unquoted 10:13 as the base-60 number 613, hence the hint.
+        return [f"run.profile_steps={text!r}: must be START:END with 0 <= START < END (e.g. 10:13, the steps taking "
+                f"the step counter from 10 to 13; quote it in YAML), or empty for no trace"]
+    if r[1] > steps:
+        return [f"run.profile_steps={text!r}: END={r[1]} is past train.steps={steps}; lower END or raise train.steps"]
+    return []
 
 
 def fp8_exclude_patterns(pc: PrecisionConfig) -> tuple[str, ...]:

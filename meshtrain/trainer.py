@@ -20,6 +20,7 @@ from meshtrain.evaluation import evaluate, make_eval_step
 from meshtrain.hf.config import hf_dir
 from meshtrain.metrics import (MetricsLog, Throughput, active_params, count_params, flops_per_token, memory_in_use,
                                peak_flops)
+from meshtrain.profiler import StepTrace
 from meshtrain.train_step import (Setup, TrainState, abstract_params, build_setup, init_state, make_batches,
                                   make_train_step, state_from_params)
 
@@ -190,10 +191,14 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         log.log(rec)
         result.records.append(rec)
 
+    trace = StepTrace(cfg.run, start, log.write)
     with _StopFlag() as stop:
         try:
             for step in range(start, t.steps):
-                state, metrics = step_fn(state, batches.batch(step))
+                with trace.step(step, state):
+                    state, metrics = step_fn(state, batches.batch(step))
+                if trace.active:
+                    timer.pause(trace.after(step, (state, metrics)))
                 if pending is not None:
                     read(*pending)
                 pending = (step + 1, metrics)
@@ -223,6 +228,7 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
                     log.write(f"stopped by signal after step {result.final_step} ({name}) WITHOUT a checkpoint "
                               f"(checkpoint.every=0): this run cannot be resumed; set checkpoint.every to make it so")
         finally:
+            trace.stop()
             log.close()
             if ckpt:
                 ckpt.wait()

@@ -1,0 +1,77 @@
+"""A device trace of a window of training steps (`run.profile_steps=START:END`).
+
+The window is counted like the state's step counter: START:END traces the steps that take it from
+START to END (the steps logged as START+1 .. END). Before the first one the host waits for the work
+already queued, so the trace starts clean; after the last one it waits for that step's outputs, so
+the trace holds its device work, then stops. Steps outside the window run exactly as without it: one
+comparison per step.
+
+The trace is what `jax.profiler` writes: `<run.dir>/profile/plugins/profile/<time>/<host>.trace.json.gz`
+(Chrome trace format, read by `python -m meshtrain.profile_table`), a `perfetto_trace.json.gz` beside it
+for ui.perfetto.dev, and the `.xplane.pb` that TensorBoard's profile plugin reads.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from meshtrain.config import RunConfig, profile_range
+
+STEP_MARKER = "train_step"  # the host-side annotation around each traced step; profile_table counts these
+
+
+class StepTrace:
+    def __init__(self, run: RunConfig, first_step: int, write):
+        """`write(line)`: the run's console (MetricsLog.write: process 0 only, clear of the progress bar)."""
+        self.window = profile_range(run.profile_steps) if run.profile_steps else None
+        # One directory per process: jax names the file after the host, so processes sharing a host
+        # would overwrite each other's trace.
+        base = Path(run.dir) / "profile"
+        self.directory = base if jax.process_count() == 1 else base / f"process_{jax.process_index()}"
+        self.active = False
+        self.last = first_step - 1
+        self._write = write
+        if self.window and first_step >= self.window[1]:
+            write(f"meshtrain: run.profile_steps={run.profile_steps} lies before the resumed step {first_step}: "
+                  f"no trace is taken")
+            self.window = None
+        elif self.window and first_step > self.window[0]:  # resumed inside the window: trace what is left
+            self.window = (first_step, self.window[1])
+
+    def step(self, step: int, pending: Any):
+        """Context around dispatching step `step` (0-based, as the step counter before it runs).
+        `pending` is the state the previous steps produced: the trace starts once it is computed."""
+        if self.window is None or not self.window[0] <= step < self.window[1]:
+            return contextlib.nullcontext()
+        if not self.active:
+            jax.block_until_ready(pending)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+            self.active = True
+        return jax.profiler.StepTraceAnnotation(STEP_MARKER, step_num=step)
+
+    def after(self, step: int, outputs: Any) -> float:
+        """Called after dispatching step `step`: stops the trace once the window's last step is done.
+        Returns the host seconds spent writing the trace, to be kept off the throughput clock."""
+        self.last = step
+        if not (self.active and step + 1 >= self.window[1]):
+            return 0.0
+        jax.block_until_ready(outputs)
+        began = time.perf_counter()
+        self.stop()
+        return time.perf_counter() - began
+
+    def stop(self) -> None:
+        """Stop and say where the trace went (also on an early exit, with what was traced so far)."""
+        if not self.active:
+            return
+        self.active = False
+        jax.profiler.stop_trace()
+        lo, hi = self.window[0], self.last + 1  # an early stop ends the window where the run ended
+        self._write(f"meshtrain: profiled steps {lo}:{hi} into {self.directory}; table: python -m "
+                    f"meshtrain.profile_table {self.directory} (timeline: its perfetto_trace.json.gz in "
+                    f"ui.perfetto.dev, or tensorboard --logdir {self.directory})")
