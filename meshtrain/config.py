@@ -138,6 +138,7 @@ class DataConfig:
     eos_id: int = -1  # end-of-document token id (needed by document_mask)
     eval_fraction: float = 0.0  # source=file: hold out this last fraction of the file's windows for eval
     eval_path: str = ""  # a separate token file for eval (same dtype); wins over eval_fraction
+    prefetch: int = 2  # training batches built ahead on a background thread (meshtrain/prefetch.py); 0: in the loop
 
 
 @dataclass(frozen=True)
@@ -617,6 +618,8 @@ def validate_new_sections(cfg: Config) -> list[str]:
         problems.append(f"eval.every={e.every}: must be >= 0 (0 disables evaluation)")
     if e.batches < 1:
         problems.append(f"eval.batches={e.batches}: must be >= 1")
+    if d.prefetch < 0:
+        problems.append(f"data.prefetch={d.prefetch}: must be >= 0 (batches built ahead; 0 builds them in the loop)")
     if not 0 <= d.eval_fraction < 1:
         problems.append(f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)")
     if d.eval_path and not Path(d.eval_path).is_file():

@@ -20,6 +20,7 @@ from meshtrain.evaluation import evaluate, make_eval_step
 from meshtrain.hf.config import hf_dir
 from meshtrain.metrics import (MetricsLog, Throughput, active_params, count_params, flops_per_token, memory_in_use,
                                peak_flops)
+from meshtrain.prefetch import batch_feed
 from meshtrain.profiler import StepTrace
 from meshtrain.train_step import (Setup, TrainState, abstract_params, build_setup, init_state, make_batches,
                                   make_train_step, state_from_params)
@@ -192,11 +193,12 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         result.records.append(rec)
 
     trace = StepTrace(cfg.run, start, log.write)
+    feed = batch_feed(batches.batch, range(start, t.steps), cfg.data.prefetch)
     with _StopFlag() as stop:
         try:
             for step in range(start, t.steps):
                 with trace.step(step, state):
-                    state, metrics = step_fn(state, batches.batch(step))
+                    state, metrics = step_fn(state, feed.get(step))
                 if trace.active:
                     timer.pause(trace.after(step, (state, metrics)))
                 if pending is not None:
@@ -228,6 +230,7 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
                     log.write(f"stopped by signal after step {result.final_step} ({name}) WITHOUT a checkpoint "
                               f"(checkpoint.every=0): this run cannot be resumed; set checkpoint.every to make it so")
         finally:
+            feed.close()
             trace.stop()
             log.close()
             if ckpt:
