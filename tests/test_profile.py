@@ -1,0 +1,159 @@
+"""run.profile_steps writes a jax.profiler trace of its window; profile_table turns a trace into time
+by category. The accounting is checked exactly on a hand-written GPU-shaped trace (two streams, a
+collective half under a GEMM), and end to end on a real CPU trace of a tiny run."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import yaml
+
+from helpers import run_cli
+from meshtrain.config import ConfigError, build_config, validate
+from meshtrain.profile_table import Kernel, classify, main, profile_report, self_time_pieces
+
+# ------------------------------------------------------------------------------------------- config
+
+
+def profile_problems(value, *overrides: str) -> list[str]:
+    file_values = {"run": {"profile_steps": value}} if not isinstance(value, str) else None
+    cli = [f"run.profile_steps={value}"] if isinstance(value, str) else []
+    try:
+        validate(build_config(file_values, ["train.steps=20", *cli, *overrides]), 8)
+    except ConfigError as e:
+        return [p for p in e.problems if "profile_steps" in p]
+    return []
+
+
+@pytest.mark.parametrize("value", ["", "0:1", "10:13", "19:20"])
+def test_profile_steps_accepts_a_window(value):
+    assert profile_problems(value) == []
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("3:3", "0 <= START < END"), ("5:2", "0 <= START < END"), ("-1:2", "0 <= START < END"),
+    ("abc", "START:END"), ("3", "START:END"), ("1:3:5", "START:END"), ("1.5:3", "START:END"),
+    ("10:21", "past train.steps=20"),
+    (613, "quote it in YAML"),  # what an unquoted 10:13 in a YAML file becomes (base 60)
+])
+def test_profile_steps_mistakes_are_one_line_naming_field_value_and_fix(value, fragment):
+    problems = profile_problems(value)
+    assert len(problems) == 1, problems
+    assert f"run.profile_steps={str(value)!r}" in problems[0] and fragment in problems[0]
+
+
+def test_unquoted_yaml_window_really_is_base_60():
+    assert yaml.safe_load("profile_steps: 10:13") == {"profile_steps": 613}
+
+
+# ---------------------------------------------------------------------------------------- classifier
+
+CLASSIFIED = [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_kernel__5x_cublas", {}, "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", {}, "gemm"),
+    ("gemm_fusion_dot_12", {"hlo_op": "gemm_fusion_dot.12"}, "gemm"),
+    ("dot.147", {}, "gemm"),
+    ("ynn_fusion.3", {}, "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_6_64x128x128_4x1x1_kernel0_0", {}, "attention"),
+    ("flash_attention_bwd_dkdv", {}, "attention"),
+    ("ncclDevKernel_AllGather_RING_LL", {}, "collective"),
+    ("all-reduce.141", {}, "collective"),
+    ("reduce-scatter.2", {}, "collective"),
+    ("kernel", {"hlo_op": "collective-permute-start.3"}, "collective"),
+    ("MemcpyH2D", {}, "memcpy"),
+    ("loop_add_fusion", {"hlo_op": "loop_add_fusion.4"}, "elementwise"),
+    ("input_reduce_fusion_3", {}, "elementwise"),
+    ("rms_norm_fwd", {}, "elementwise"),
+    ("wrapped_convert", {}, "elementwise"),
+    ("loop_multiply_fusion", {"tf_op": "jit(step)/optimizer/adam/mul"}, "optimizer"),
+    ("while.93", {}, "other"),
+]
+
+
+@pytest.mark.parametrize("name,args,category", CLASSIFIED, ids=[c[0][:30] for c in CLASSIFIED])
+def test_classifier(name, args, category):
+    assert classify(name, args) == category
+
+
+def test_nested_thunk_keeps_only_its_self_time():
+    k = lambda name, s, t: Kernel("cpu:0", (1, 1), s, t, name, classify(name))  # noqa: E731
+    loop, body_a, body_b = k("while.1", 0, 10), k("dot.1", 2, 4), k("add_fusion", 6, 9)
+    pieces = [(s, t, kern.name) for s, t, kern in self_time_pieces([body_b, loop, body_a])]
+    assert pieces == [(0, 2, "while.1"), (2, 4, "dot.1"), (4, 6, "while.1"), (6, 9, "add_fusion"),
+                      (9, 10, "while.1")]
+
+
+# ------------------------------------------------------------------ accounting on a synthetic trace
+
+
+def write_trace(path, kernels: list[tuple[int, str, float, float]], modules: list[tuple[float, float]],
+                markers: list[tuple[int, float, float]]) -> None:
+    """Chrome trace as jax writes it: /host:CPU with the step markers, /device:GPU:0 with stream
+    threads (tid 1, 2, ...) and an XLA Modules line (tid 99). Times in microseconds."""
+    ev = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+          {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 2, "tid": 99, "name": "thread_name", "args": {"name": "XLA Modules"}}]
+    for tid in sorted({k[0] for k in kernels}):
+        ev.append({"ph": "M", "pid": 2, "tid": tid, "name": "thread_name", "args": {"name": f"Stream #{tid}(Compute)"}})
+    ev += [{"ph": "X", "pid": 2, "tid": tid, "ts": s, "dur": t - s, "name": name, "args": {"hlo_module": "jit_step"}}
+           for tid, name, s, t in kernels]
+    ev += [{"ph": "X", "pid": 2, "tid": 99, "ts": s, "dur": t - s, "name": "jit_step(1)"} for s, t in modules]
+    ev += [{"ph": "X", "pid": 1, "tid": 7, "ts": s, "dur": t - s, "name": "train_step", "args": {"step_num": str(n)}}
+           for n, s, t in markers]
+    with gzip.open(path, "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "traceEvents": ev}, f)
+
+
+def test_collective_half_under_a_gemm_is_half_exposed(tmp_path):
+    # Step 1 (module 0-30 us): all-reduce [0, 10) on stream 2 under a GEMM [5, 15) on stream 1, a loop
+    # fusion [20, 30). Step 2 (module 40-50): a copy then a GEMM. Idle: 15-20 within, 30-40 between.
+    write_trace(tmp_path / "vm.trace.json.gz",
+                [(2, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, 10), (1, "sm90_xmma_gemm_bf16", 5, 15),
+                 (1, "loop_add_fusion", 20, 30), (3, "MemcpyD2D", 40, 42), (1, "nvjet_tst_64x8", 42, 50)],
+                modules=[(0, 30), (40, 50)], markers=[(10, -5, -1), (11, 35, 38)])
+    r = profile_report(tmp_path)
+    c = {k: v["ms"] * 1e3 for k, v in r["categories"].items()}  # back to microseconds
+    assert r["devices"] == ["gpu:0"] and r["wall_ms"] * 1e3 == pytest.approx(50)
+    assert (r["steps"], r["steps_from"]) == (2, "train_step markers")
+    assert c == pytest.approx(dict(gemm=18, attention=0, elementwise=10, optimizer=0, other=0, collective=5,
+                                   memcpy=2, idle_between=10, idle_within=5))
+    assert r["collectives_hidden"]["ms"] * 1e3 == pytest.approx(5)
+    assert sum(c.values()) == pytest.approx(50)
+    assert r["categories"]["gemm"]["ms_per_step"] * 1e3 == pytest.approx(9)
+    assert r["categories"]["gemm"]["kernels"] == 2 and r["categories"]["collective"]["kernels"] == 1
+    top = {t["name"]: t["ms"] * 1e3 for t in r["top_kernels"]}  # self time: the hidden collective in full
+    assert top == pytest.approx({"sm90_xmma_gemm_bf16": 10, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 10,
+                                 "loop_add_fusion": 10, "nvjet_tst_64x8": 8, "MemcpyD2D": 2})
+
+
+def test_table_and_json_entry_point(tmp_path, capsys):
+    write_trace(tmp_path / "vm.trace.json.gz", [(1, "sm90_xmma_gemm_bf16", 0, 10)], modules=[(0, 10)], markers=[])
+    assert main([str(tmp_path), "--steps", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "over 2 steps (--steps)" in table and "GEMM" in table and "collectives hidden" in table
+    assert main([str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["categories"]["gemm"]["pct"] == pytest.approx(100)
+    assert main([str(tmp_path / "nowhere")]) == 2
+
+
+# ------------------------------------------------------------------------------ a real trace, end to end
+
+
+def test_tiny_run_writes_a_trace_that_the_table_reads(tmp_path):
+    proc = run_cli("mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.steps=3", "run.profile_steps=1:3",
+                   f"run.dir={tmp_path}")
+    assert f"profiled steps 1:3 into {tmp_path / 'profile'}" in proc.stdout
+    traces = list((tmp_path / "profile").rglob("*.trace.json.gz"))
+    assert len(traces) == 1
+    r = profile_report(tmp_path / "profile")
+    assert (r["steps"], r["steps_from"]) == (2, "train_step markers")
+    assert len(r["devices"]) == 8
+    c = {k: v["ms"] for k, v in r["categories"].items()}
+    for category in ("gemm", "elementwise", "collective"):  # dots, fusions and the dp/fsdp/tp reductions
+        assert c[category] > 0, (category, c)
+    busy = sum(v for k, v in c.items() if not k.startswith("idle"))
+    assert 0 < busy <= r["wall_ms"] * (1 + 1e-9)
+    assert sum(c.values()) == pytest.approx(r["wall_ms"], rel=1e-6)
+    assert all(t["ms"] > 0 for t in r["top_kernels"])
