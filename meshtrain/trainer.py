@@ -2,7 +2,8 @@
 
 The host never waits on the step it just dispatched: it reads the previous step's small metrics
 (one step late), so the device always has the next step queued. Logging, checkpointing and the
-non-finite check all run on that lagged view.
+non-finite check all run on that lagged view. The batches come built and on the devices from a feed
+thread (prefetch.py), so the loop itself only dispatches and reads.
 """
 from __future__ import annotations
 
