@@ -237,7 +237,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
     for ks in by_thread.values():
         for piece in self_time_pieces(ks):
             per_device[piece[2].device].append(piece)
-    devices = sorted({k.device for k in kernels})
+    devices = sorted({k.device for k in kernels}, key=lambda d: (d.split(":")[0], int(d.split(":")[1])))
     t0, t1 = min(k.start for k in kernels), max(k.end for k in kernels)
     wall = t1 - t0
     rows, hidden = defaultdict(float), defaultdict(float)
