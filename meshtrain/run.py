@@ -11,6 +11,7 @@ import importlib.util
 import os
 import sys
 
+from meshtrain import xla_flags
 from meshtrain.config import (ConfigError, cpu_default_overrides, help_text, load_config, padded_vocab, to_yaml,
                               validate, with_mesh)
 
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if on_cpu:
         simulate_cpu_devices(cfg.run.cpu_devices)
+    xla_flags.apply(cfg.precision.matmul)  # before jax starts its backend
     try:
         return train_from(cfg)
     except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal (start-up, loading, compiling)

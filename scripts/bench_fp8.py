@@ -39,8 +39,16 @@ TINY = ["model.preset=tiny", "data.seq_len=64", "train.global_batch=4", "model.a
         "model.scan_layers=true", "mesh.fsdp=-1"]
 
 
+def phase(what: str, t0: float) -> None:
+    """A progress line the parent keeps if this process runs out of time (which phase was too slow)."""
+    print(f"PHASE {what} at {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def one_run(a) -> dict:
     """Child process: build, compile, time and train one (shape, recipe)."""
+    from meshtrain import xla_flags
+
+    xla_flags.apply(a.recipe)  # as `python -m meshtrain.run` does, before jax starts its backend
     import jax
     import numpy as np
 
@@ -66,8 +74,11 @@ def one_run(a) -> dict:
     state = init_state(setup)
     step = make_train_step(setup)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batches.batch(0)).compile()
+    lowered = step.lower(state, batches.batch(0))
+    phase("lowered", t0)
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
+    phase("compiled", t0)
     hlo = compiled.as_text()
     gemms = gemm_report(hlo)
     out_dir = Path(a.out)
@@ -80,6 +91,8 @@ def one_run(a) -> dict:
         state, m = compiled(state, batches.batch(i))
         losses.append(float(m["loss"]))  # synchronizes: each step is timed alone
         times.append(time.perf_counter() - t)
+        if i in (0, 3):
+            phase(f"step {i} done", t0)
     timed = times[4:] if len(times) > 4 else times
     dt = statistics.median(timed)
     n = count_params(state.params)
@@ -192,8 +205,11 @@ def main() -> int:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
                 line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 rec = json.loads(line[-1][7:]) if line else dict(shape=shape, recipe=recipe, error=p.stderr[-2000:])
-            except subprocess.TimeoutExpired:
-                rec = dict(shape=shape, recipe=recipe, error=f"timed out after {a.timeout} s")
+            except subprocess.TimeoutExpired as e:
+                child_out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                phases = [ln[6:] for ln in child_out.splitlines() if ln.startswith("PHASE ")]
+                rec = dict(shape=shape, recipe=recipe, error=f"timed out after {a.timeout} s; last phase: "
+                           f"{phases[-1] if phases else 'none (still building or lowering)'}")
             rec["wall_s"] = time.time() - t0
             runs.append(rec)
             status = rec.get("error", "")[-300:] or (f"step {rec['step_ms']:.1f} ms, loss {rec['loss_last']:.4f}, "
