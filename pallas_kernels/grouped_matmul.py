@@ -140,8 +140,10 @@ def _schedule(starts, ends, m, bm):
     tile_first = jnp.arange(cdiv(m, bm), dtype=jnp.int32) * bm
     total = ends[-1]
     tile_last = jnp.minimum(tile_first + bm, total) - 1
-    lo = jnp.searchsorted(ends, tile_first, side="right").astype(jnp.int32)
-    hi = jnp.searchsorted(ends, tile_last, side="right").astype(jnp.int32) + 1
+    # Group of row r = #groups ending at or before r. A compare-and-count ([M/bm, G] int32, small), not
+    # jnp.searchsorted, which trips an assertion of jax 0.10 inside a shard_map manual region.
+    count_le = lambda r: jnp.sum(ends[None, :] <= r[:, None], axis=1, dtype=jnp.int32)  # noqa: E731
+    lo, hi = count_le(tile_first), count_le(tile_last) + 1
     return lo, jnp.where(tile_first < total, hi, lo)
 
 
