@@ -4,13 +4,13 @@ Semantics of `jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`: g
 contiguous rows [start_g, end_g), start_g = sizes[0] + ... + sizes[g-1]; rows past the sum are 0.
 (XLA's GPU ragged_dot is a dense [G, M, K] batched dot: G times the FLOPs and an M·K·G buffer.)
 
-  gmm    grid (M/bm, N/bn): program (i, j) owns output tile [i·bm, (i+1)·bm) x [j·bn, (j+1)·bn) and
+  gmm    grid (N/bn, M/bm): program (j, i) owns output tile [i·bm, (i+1)·bm) x [j·bn, (j+1)·bn) and
          loops over the groups whose rows meet that tile (g_lo[i] .. g_hi[i], from a schedule built
          with jnp inside jit), acc += rows_in_g(lhs tile) @ rhs[g][:, j·bn:], K in bk steps.
          Write scheme: every tile is written once, by its one program, with zeros in rows no group owns;
          a tile straddling two groups costs two masked K loops (at most M/bm + G - 1 tile-group visits
          in all), but no output is read back, zero-filled first, or raced on.
-  tgmm   grid (G, K/bk, N/bn): d_rhs[g] = lhs_g^T @ d_out_g, program (g, k, n) loops over the row tiles
+  tgmm   grid (N/bn, K/bk, G): d_rhs[g] = lhs_g^T @ d_out_g, program (n, k, g) loops over the row tiles
          of group g (a dynamic trip count; 0 for an empty group, whose gradient stays 0), masking the
          rows of the edge tiles that belong to the neighbours.
   backward   d_lhs = gmm(d_out, rhs) contracting over N (rhs read as [G, N, K] in place, no transpose
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import cdiv, check_float_dtype, is_pow2, round_up, triton_params
 
@@ -83,8 +84,15 @@ def _row_mask(first_row, bm, start, end):
     return (rows >= start) & (rows < end)
 
 
+def _load_rows(ref_view, mask_m1):
+    """A tile with the rows outside the group read as 0: a masked (predicated, zero-filled) load, which
+    Triton pipelines like a plain one, where a select after the load would sit between load and dot."""
+    return plgpu.load(ref_view, mask=jnp.broadcast_to(mask_m1, ref_view.shape),
+                      other=jnp.zeros((), ref_view.dtype))  # typed: the load's fill value has the tile's dtype
+
+
 def _gmm_kernel(lo_ref, hi_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_k, trans_rhs):
-    i = pl.program_id(0)
+    i = pl.program_id(1)
     tile_row = i * bm
 
     def group_body(g, acc):
@@ -92,7 +100,7 @@ def _gmm_kernel(lo_ref, hi_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *
 
         def k_body(kb, acc):
             ks = pl.ds(kb * bk, bk)
-            x = jnp.where(mask, lhs_ref[:, ks], 0).astype(lhs_ref.dtype)
+            x = _load_rows(lhs_ref.at[:, ks], mask)
             if trans_rhs:  # rhs block [N-block rows = bn outputs, K]: contract over its last dim
                 return acc + _dot(x, rhs_ref[g, :, ks], trans_b=True)
             return acc + _dot(x, rhs_ref[g, ks, :])
@@ -104,7 +112,7 @@ def _gmm_kernel(lo_ref, hi_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *
 
 
 def _tgmm_kernel(start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, bm, bk, bn):
-    g = pl.program_id(0)
+    g = pl.program_id(2)
     start, end = start_ref[g], end_ref[g]
     first = lax.div(start, bm)
     last = jnp.where(end > start, lax.div(end + bm - 1, bm), first)  # exclusive; == first when empty
@@ -112,8 +120,8 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, bm, bk, bn):
     def body(r, acc):
         rows = pl.ds(r * bm, bm)
         mask = _row_mask(r * bm, bm, start, end)
-        x = jnp.where(mask, lhs_ref[rows, :], 0).astype(lhs_ref.dtype)
-        dy = jnp.where(mask, dy_ref[rows, :], 0).astype(dy_ref.dtype)
+        # Both operands masked: a non-finite row of the neighbour's dy times a zero would still be NaN.
+        x, dy = _load_rows(lhs_ref.at[rows, :], mask), _load_rows(dy_ref.at[rows, :], mask)
         return acc + _dot(x, dy, trans_a=True)
 
     acc = lax.fori_loop(first, last, body, jnp.zeros((bk, bn), jnp.float32))
@@ -163,19 +171,19 @@ def _gmm_call(lhs_mk, rhs, group_sizes_g, plan: _Plan, *, trans_rhs: bool):
     lhs_p = _pad2(lhs_mk, mp, kp)
     if trans_rhs:
         rhs_p = rhs if (n, k) == (np_, kp) else jnp.pad(rhs, ((0, 0), (0, np_ - n), (0, kp - k)))
-        rhs_spec = pl.BlockSpec((g, bn, kp), lambda i, j: (0, j, 0))
+        rhs_spec = pl.BlockSpec((g, bn, kp), lambda j, i: (0, j, 0))
     else:
         rhs_p = rhs if (k, n) == (kp, np_) else jnp.pad(rhs, ((0, 0), (0, kp - k), (0, np_ - n)))
-        rhs_spec = pl.BlockSpec((g, kp, bn), lambda i, j: (0, 0, j))
+        rhs_spec = pl.BlockSpec((g, kp, bn), lambda j, i: (0, 0, j))
     starts, ends = _bounds(group_sizes_g, m)
     lo, hi = _schedule(starts, ends, mp, bm)
-    whole = lambda size: pl.BlockSpec((size,), lambda i, j: (0,))
+    whole = lambda size: pl.BlockSpec((size,), lambda j, i: (0,))
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, bm=bm, bk=bk, bn=bn, n_k=kp // bk, trans_rhs=trans_rhs),
-        grid=(mp // bm, np_ // bn),
+        grid=(np_ // bn, mp // bm),  # n-tiles fastest: the programs of one lhs row panel run together
         in_specs=[whole(mp // bm), whole(mp // bm), whole(g), whole(g),
-                  pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), rhs_spec],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                  pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), rhs_spec],
+        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, np_), plan.out_dtype),
         compiler_params=triton_params(bs.num_warps, bs.num_stages), interpret=plan.interpret,
         name="grouped_matmul",
@@ -191,13 +199,13 @@ def _tgmm_call(lhs_mk, dy_mn, group_sizes_g, n_groups: int, out_dtype, plan: _Pl
     bm, bk, bn = bs.block_m_t, bs.block_k_t, bs.block_n_t
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     starts, ends = _bounds(group_sizes_g, m)
-    whole = pl.BlockSpec((n_groups,), lambda gi, ki, ni: (0,))
+    whole = pl.BlockSpec((n_groups,), lambda ni, ki, gi: (0,))
     out = pl.pallas_call(
         functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn),
-        grid=(n_groups, kp // bk, np_ // bn),
-        in_specs=[whole, whole, pl.BlockSpec((mp, bk), lambda gi, ki, ni: (0, ki)),
-                  pl.BlockSpec((mp, bn), lambda gi, ki, ni: (0, ni))],
-        out_specs=pl.BlockSpec((None, bk, bn), lambda gi, ki, ni: (gi, ki, ni)),
+        grid=(np_ // bn, kp // bk, n_groups),  # groups slowest: one group's programs share its rows
+        in_specs=[whole, whole, pl.BlockSpec((mp, bk), lambda ni, ki, gi: (0, ki)),
+                  pl.BlockSpec((mp, bn), lambda ni, ki, gi: (0, ni))],
+        out_specs=pl.BlockSpec((None, bk, bn), lambda ni, ki, gi: (gi, ki, ni)),
         out_shape=jax.ShapeDtypeStruct((n_groups, kp, np_), out_dtype),
         compiler_params=triton_params(bs.num_warps_t, bs.num_stages_t), interpret=plan.interpret,
         name="grouped_matmul_tgmm",

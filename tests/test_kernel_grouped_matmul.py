@@ -106,6 +106,25 @@ def test_bad_arguments_raise():
         GroupedMatmulBlockSizes(block_k=24)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_to_triton_without_a_gpu(dtype):
+    """The compiled path (interpret=False) through Pallas' Triton lowering, exported for CUDA from the
+    CPU: catches an operation or shape the Triton lowering rejects before a GPU ever sees it.
+    Three kernels: gmm forward, gmm for d_lhs (rhs read transposed), tgmm for d_rhs."""
+    m, k, n, g = 1000, 200, 96, 8  # nothing a tile multiple
+
+    def f(x, w, s, dy):
+        out, vjp = jax.vjp(lambda x, w: gmm(x, w, s, interpret=False), x, w)
+        return out, vjp(dy)
+
+    args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+            jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((m, n), dtype))
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(jax.jit(f), platforms=("cuda",),
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,g", [(4096, 512, 256, 8), (3000, 1024, 512, 16)])
 def test_gpu_matches_ragged_dot(m, k, n, g):
