@@ -94,10 +94,10 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
                     exchange=exchange if ep > 1 else "local", gemm=grouped_matmul,
                     tp_manual=grouped_matmul == "pallas" and rules.mesh.shape["tp"] > 1)
     # check_vma off for the kernel: a pallas_call's outputs carry no replication type for the checker.
-    y_btd, kept_btk = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
-                                    in_specs=(tokens, tokens, tokens, weights, weights, weights),
-                                    out_specs=(tokens, tokens), check_vma=grouped_matmul != "pallas")(x_btd, experts_btk, weights_btk, w_gate_xdf,
-                                                                w_up_xdf, w_down_xfd)
+    region = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
+                           in_specs=(tokens, tokens, tokens, weights, weights, weights),
+                           out_specs=(tokens, tokens), check_vma=grouped_matmul != "pallas")
+    y_btd, kept_btk = region(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd)
     return y_btd.astype(out_dtype), kept_btk
 
 
