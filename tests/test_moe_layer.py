@@ -150,9 +150,19 @@ def test_capacity_drops_match_hand_worked_case(ep):
 def test_pallas_grouped_matmul_matches_ragged_dot(ep, tp, capacity_factor):
     """moe.grouped_matmul=pallas (the kernel in interpret mode) against ragged_dot: outputs and gradients.
     tp=2 takes the kernel's tp-manual path (each rank half of every expert's width, outputs summed)."""
+    _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, (2 * ep, 5, D))
+
+
+@pytest.mark.gpu
+def test_compiled_pallas_grouped_matmul_matches_ragged_dot():
+    """The same on one GPU with the compiled kernel (fp32: IEEE dots in the kernel, HIGHEST in XLA)."""
+    _check_pallas_matches_ragged_dot(1, 1, 0.0, (2, 64, D))
+
+
+def _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, shape):
     fields = dict(capacity_factor=capacity_factor)
     ref, kern = (make_layer(ep, tp, grouped_matmul=g, **fields) for g in ("ragged_dot", "pallas"))
-    x_btd = jax.random.normal(jax.random.key(0), (2 * ep, 5, D))
+    x_btd = jax.random.normal(jax.random.key(0), shape)
     params = init(ref, x_btd)
     g_btd = jax.random.normal(jax.random.key(2), x_btd.shape)
 
