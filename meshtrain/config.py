@@ -92,6 +92,8 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch/GShard form), per MoE layer
     z_loss_coef: float = 0.001  # router z-loss (ST-MoE), per MoE layer
     dispatch: Literal["auto", "ragged", "padded"] = "auto"  # dropless all-to-all; auto: ragged on GPUs
+    # The experts' grouped GEMMs; auto: pallas on GPUs (XLA's GPU ragged_dot is a dense dot over all experts).
+    grouped_matmul: Literal["auto", "ragged_dot", "pallas"] = "auto"
 
     @property
     def enabled(self) -> bool:

@@ -4,15 +4,19 @@ from pallas_kernels.attention_reference import flash_attention_reference
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                                           linear_cross_entropy_reference)
 from pallas_kernels.flash_attention import flash_attention, flash_attention_backward
+from pallas_kernels.grouped_matmul import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 from pallas_kernels.rms_norm import RmsNormBlockSizes, rms_norm, rms_norm_reference
 
 __all__ = [
     "FlashAttentionBlockSizes",
+    "GroupedMatmulBlockSizes",
     "LinearCrossEntropyBlockSizes",
     "RmsNormBlockSizes",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_reference",
+    "gmm",
+    "grouped_matmul_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "rms_norm",

@@ -9,6 +9,8 @@ DIR/bench_moe.md and prints a table last.
   PYTHONPATH=. python scripts/bench_moe.py --devices 2 --out results/moe2
   # CPU smoke run of the same code path (simulated devices, tiny_moe)
   python scripts/bench_moe.py --tiny --devices 2 --out /tmp/moe_tiny
+  # the experts' grouped GEMM alone (one GPU): Pallas gmm vs jax.lax.ragged_dot at the OLMoE shape
+  PYTHONPATH=. python scripts/bench_moe.py --moe-gemm --out results/moe_gemm
 
 The all-to-all share is measured by timing: the `exchange-free` row runs the same step with every
 all-to-all of parallel/expert_dispatch.py (counts, rows and results) replaced by a local copy of the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -30,6 +33,9 @@ from pathlib import Path
 from unittest import mock
 
 
+DEFAULT_GEMM_SHAPE = "65536,64,2048,1024"  # OLMoE: 8192 tokens x top-8 rows, 64 experts, d 2048, ffn 1024
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for bench_moe.json and bench_moe.md")
@@ -37,6 +43,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny_moe, short sequences, 3 steps")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median reported)")
     ap.add_argument("--skip", default="", help="comma list of rows to skip: moe, exchange_free, dense")
+    ap.add_argument("--moe-gemm", action="store_true",
+                    help="only the grouped-GEMM micro-benchmark (gmm vs ragged_dot, forward and forward+backward)")
+    ap.add_argument("--gemm-shape", default=DEFAULT_GEMM_SHAPE,
+                    help="--moe-gemm M,G,K,N: rows (tokens x top-k), groups (experts), in and out width")
+    ap.add_argument("--gemm-blocks", default="", help="--moe-gemm: GroupedMatmulBlockSizes fields, e.g. "
+                                                      "block_m=64,block_k=32,num_warps=4")
+    ap.add_argument("--gemm-impls", default="pallas,ragged_dot", help="--moe-gemm: which to time")
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every row")
     return ap.parse_args()
 
@@ -146,6 +159,86 @@ def measure(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
     return rec
 
 
+def _median_ms(fn, args, steps: int) -> float:
+    import jax
+    import numpy as np
+
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+def bench_gemm(a: argparse.Namespace, out_dir: Path) -> None:
+    """The experts' grouped GEMM alone: out [M, N] = rows of group g @ W[g] (bf16, fp32 accumulation),
+    forward and forward+backward (d_lhs, d_rhs), for two group-size draws: even (M/G each) and skewed
+    (Dirichlet(1) shares, the 2nd group emptied). Useful FLOPs: 2·M·K·N per GEMM, 3 GEMMs fwd+bwd."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import GroupedMatmulBlockSizes, gmm
+
+    shape = "512,8,64,64" if a.tiny and a.gemm_shape == DEFAULT_GEMM_SHAPE else a.gemm_shape  # CPU: interpret
+    m, g, k, n = (int(v) for v in shape.split(","))
+    blocks = GroupedMatmulBlockSizes(**{kv.split("=")[0]: int(kv.split("=")[1])
+                                        for kv in filter(None, a.gemm_blocks.split(","))})
+    impls = {"pallas": lambda x, w, s: gmm(x, w, s, block_sizes=blocks),
+             "ragged_dot": lambda x, w, s: jax.lax.ragged_dot(x, w, s)}
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    skewed = rng.multinomial(m, rng.dirichlet(np.ones(g)))
+    skewed[0], skewed[1] = skewed[0] + skewed[1], 0
+    draws = {"even": np.full(g, m // g) + (np.arange(g) < m % g), "skewed": skewed}
+    flops = 2.0 * m * k * n
+    results, outs = [], {}
+    for draw, sizes in draws.items():
+        s = jnp.asarray(sizes, jnp.int32)
+        for name in filter(None, a.gemm_impls.split(",")):
+            f = impls[name]
+            fwd = jax.jit(f)
+            fwd_bwd = jax.jit(lambda x, w, s, dy, f=f: jax.vjp(lambda x, w: f(x, w, s), x, w)[1](dy))
+            rec = dict(impl=name, groups=draw, shape=dict(M=m, G=g, K=k, N=n), max_group=int(sizes.max()),
+                       blocks=dataclasses.asdict(blocks) if name == "pallas" else None,
+                       device=jax.devices()[0].device_kind, jax=jax.__version__)
+            try:
+                outs[draw, name] = np.asarray(fwd(x, w, s), np.float32)
+                rec["fwd_ms"] = _median_ms(fwd, (x, w, s), a.steps)
+                rec["fwd_bwd_ms"] = _median_ms(fwd_bwd, (x, w, s, dy), a.steps)
+                rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
+                rec["fwd_bwd_tflops"] = 3 * flops / rec["fwd_bwd_ms"] / 1e9
+            except Exception as e:  # ragged_dot's dense rewrite may not fit: keep the other rows
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            results.append(rec)
+            print(json.dumps(rec), flush=True)
+            gc.collect()
+    for rec in results:  # compared once both outputs are there (pallas runs first)
+        ref, got = outs.get((rec["groups"], "ragged_dot")), outs.get((rec["groups"], rec["impl"]))
+        if rec["impl"] != "ragged_dot" and ref is not None and got is not None:
+            rec["rel_err_vs_ragged_dot"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    (out_dir / "bench_moe_gemm.json").write_text(json.dumps(results, indent=1))
+    lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}, "
+             f"M={m} G={g} K={k} N={n} bf16, blocks {blocks}", "",
+             "| impl | groups | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | rel err vs ragged_dot |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['groups']} | error: {r['error'][:120]} | | | | |")
+            continue
+        err = f"{r['rel_err_vs_ragged_dot']:.1e}" if "rel_err_vs_ragged_dot" in r else "-"
+        lines.append(f"| {r['impl']} | {r['groups']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
+                     f"{r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_tflops']:.0f} | {err} |")
+    (out_dir / "bench_moe_gemm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     a = parse_args()
     if a.tiny and "JAX_PLATFORMS" not in os.environ:
@@ -159,6 +252,8 @@ def main() -> None:
 
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if a.moe_gemm:
+        return bench_gemm(a, out_dir)
     base = base_overrides(a)
     probe = load_config(None, base + a.overrides)
     dense_ff = f"model.d_ff={probe.moe.top_k * probe.moe.expert_ffn(probe.model)}"

@@ -106,6 +106,8 @@ BAD = [
     pytest.param(["moe.n_experts=-2"], None, ["moe.n_experts=-2", ">= 0"], id="experts-negative"),
     pytest.param(["moe.router=topk"], None, ["moe.router='topk'", "softmax", "sigmoid"], id="bad-router"),
     pytest.param(["moe.dispatch=nccl"], None, ["moe.dispatch='nccl'", "ragged", "padded"], id="bad-dispatch"),
+    pytest.param(["moe.grouped_matmul=cutlass"], None, ["moe.grouped_matmul='cutlass'", "ragged_dot", "pallas"],
+                 id="bad-grouped-matmul"),
     # ---- training knobs
     pytest.param(["train.zero_stage=5"], None, ["train.zero_stage=5", "0, 1, 2 or 3"], id="zero-stage-5"),
     pytest.param(["train.remat=everything"], None, ["train.remat='everything'", "save_dots"], id="remat-unknown"),

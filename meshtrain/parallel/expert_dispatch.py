@@ -18,7 +18,9 @@ Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 
       local    ep = 1: nothing moves
     rank 0 receives [a0 c0 b1 | e0 d1]          rank 1 receives [a2 b3 c3 | e2 f2 d3 f3]
  4  received rows regrouped by local expert (argsort): e0 [a c e] e1 [b d] | e2 [a e f] e3 [b c d f];
-    the SwiGLU as three grouped matmuls (jax.lax.ragged_dot: the rows of local expert x times W[x])
+    the SwiGLU as three grouped matmuls, the rows of local expert x times W[x] (`moe.grouped_matmul`:
+    jax.lax.ragged_dot, or the Pallas gmm kernel; XLA lowers ragged_dot on GPUs to a dense dot over all
+    local experts, X/ep times the FLOPs and an [X/ep, rows, D] buffer)
  5  results back by the reverse exchange, unsorted, combined: y[t] = Σ_j weight[t, j] · out[t, j]
 
 Capacity (GShard, capacity_factor > 0): each (source device, expert) pair has C = ceil(cf·N·k/X) slots,
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels as pk
 from meshtrain.config import ConfigError
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules
@@ -59,6 +62,14 @@ def resolve_exchange(name: str) -> str:
     return name
 
 
+def resolve_grouped_matmul(name: str) -> str:
+    """`moe.grouped_matmul` -> ragged_dot or pallas (auto: the kernel on GPUs; off them it would run
+    in interpret mode, which is for tests)."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
+    return name
+
+
 def token_axes(rules: ShardingRules) -> tuple[str, ...]:
     """The mesh axes the token (batch) dimension is split over."""
     axes = rules.spec(("batch",))[0]
@@ -67,7 +78,8 @@ def token_axes(rules: ShardingRules) -> tuple[str, ...]:
 
 def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
             w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, rules: ShardingRules, policy: Precision,
-            capacity_factor: float, exchange: str) -> tuple[jax.Array, jax.Array]:
+            capacity_factor: float, exchange: str, grouped_matmul: str = "ragged_dot"
+            ) -> tuple[jax.Array, jax.Array]:
     """Routed experts' SwiGLU, combined with the router weights: (y [B, T, D], kept [B, T, K] fp32)."""
     axes = token_axes(rules)
     ep = rules.mesh.shape["ep"]
@@ -79,20 +91,23 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
         # ("Invalid binary instruction opcode copy"); CPUs run it in fp32 (they are for tests, not speed).
         policy, x_btd = Precision(policy.param_dtype, jnp.float32), x_btd.astype(jnp.float32)
     local = partial(_local_moe, ep=ep, n_experts=n_experts, policy=policy, capacity_factor=capacity_factor,
-                    exchange=exchange if ep > 1 else "local")
-    y_btd, kept_btk = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
-                                    in_specs=(tokens, tokens, tokens, weights, weights, weights),
-                                    out_specs=(tokens, tokens))(x_btd, experts_btk, weights_btk, w_gate_xdf,
-                                                                w_up_xdf, w_down_xfd)
+                    exchange=exchange if ep > 1 else "local", gemm=grouped_matmul,
+                    tp_manual=grouped_matmul == "pallas" and rules.mesh.shape["tp"] > 1)
+    # check_vma off for the kernel: a pallas_call's outputs carry no replication type for the checker.
+    region = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
+                           in_specs=(tokens, tokens, tokens, weights, weights, weights),
+                           out_specs=(tokens, tokens), check_vma=grouped_matmul != "pallas")
+    y_btd, kept_btk = region(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd)
     return y_btd.astype(out_dtype), kept_btk
 
 
 def _local_moe(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd, *, ep, n_experts, policy,
-               capacity_factor, exchange):
+               capacity_factor, exchange, gemm, tp_manual):
     b, t, d = x_btd.shape
     k = experts_btk.shape[-1]
     x_nd, e_nk = x_btd.reshape(b * t, d), experts_btk.reshape(b * t, k)
-    ffn = partial(_swiglu, w_gate_xdf=w_gate_xdf, w_up_xdf=w_up_xdf, w_down_xfd=w_down_xfd, policy=policy)
+    ffn = partial(_swiglu_tp if tp_manual else _swiglu, w_gate_xdf=w_gate_xdf, w_up_xdf=w_up_xdf,
+                  w_down_xfd=w_down_xfd, policy=policy, gemm=gemm)
     if capacity_factor > 0:
         out_nkd, kept_nk = _capacity(x_nd, e_nk, ffn, ep=ep, n_experts=n_experts, capacity_factor=capacity_factor)
     else:
@@ -103,17 +118,36 @@ def _local_moe(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd
     return y_nd.astype(x_btd.dtype).reshape(b, t, d), kept_nk.reshape(b, t, k)
 
 
-def _ragged_dot(x_rd, w_xdf, group_sizes_x, policy: Precision):
-    return jax.lax.ragged_dot(policy.cast(x_rd), policy.cast(w_xdf), group_sizes_x,
+def _ragged_dot(x_rd, w_xdf, group_sizes_x, policy: Precision, gemm: str):
+    x_rd, w_xdf = policy.cast(x_rd), policy.cast(w_xdf)
+    if gemm == "pallas":  # fp32 operands run at full precision in the kernel (its dots ask for HIGHEST)
+        return pk.gmm(x_rd, w_xdf, group_sizes_x, preferred_element_type=policy.compute_dtype)
+    return jax.lax.ragged_dot(x_rd, w_xdf, group_sizes_x,
                               precision=jax.lax.Precision.HIGHEST if policy.is_fp32 else None,
                               preferred_element_type=policy.compute_dtype)
 
 
-def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy):
+def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy, gemm):
     """Rows grouped by local expert (group_sizes_x rows each, zero rows after them) -> expert outputs."""
-    gate_rf = _ragged_dot(rows_rd, w_gate_xdf, group_sizes_x, policy)
-    up_rf = _ragged_dot(rows_rd, w_up_xdf, group_sizes_x, policy)
-    return _ragged_dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, group_sizes_x, policy)
+    gate_rf = _ragged_dot(rows_rd, w_gate_xdf, group_sizes_x, policy, gemm)
+    up_rf = _ragged_dot(rows_rd, w_up_xdf, group_sizes_x, policy, gemm)
+    return _ragged_dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, group_sizes_x, policy, gemm)
+
+
+def _swiglu_tp(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, **kw):
+    """_swiglu for the kernel under tp > 1. A pallas_call has no partitioning rule (GSPMD would gather
+    every expert's full width onto each tp rank), so this goes manual over tp as well, Megatron style:
+    rank j runs columns j·F/tp.. of gate/up and the same rows of down on all its rows; the partial
+    outputs are summed over tp."""
+    def local(rows_rd, sizes_x, wg, wu, wd):
+        out_rd = _swiglu(rows_rd, sizes_x, w_gate_xdf=wg, w_up_xdf=wu, w_down_xfd=wd, **kw)
+        return jax.lax.psum(out_rd, "tp")
+
+    col, row = P(None, None, "tp"), P(None, "tp", None)
+    # The context's mesh: inside the token-manual region it is the one with those axes already manual.
+    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+                         in_specs=(P(), P(), col, col, row), out_specs=P(),
+                         check_vma=False)(rows_rd, group_sizes_x, w_gate_xdf, w_up_xdf, w_down_xfd)
 
 
 def _exclusive_cumsum(x, axis=0):
