@@ -133,7 +133,7 @@ def test_gpu_matches_ragged_dot(m, k, n, g):
     sizes = rng.multinomial(m - 100, rng.dirichlet(np.ones(g)))
     sizes[0], sizes[1] = sizes[0] + sizes[1], 0  # one empty group; 100 rows past the sum
     x, w, s, dy = _inputs(m, k, n, [int(v) for v in sizes], jnp.bfloat16, seed=3)
-    w = w / np.sqrt(k)
+    w = (w / np.sqrt(k)).astype(w.dtype)  # a numpy float64 scalar would promote bf16 to fp32
     got = _out_and_grads(gmm, x, w, s, dy)
     want = _out_and_grads(jax.lax.ragged_dot, x, w, s, dy)
     _check(got, want, 2e-2)
