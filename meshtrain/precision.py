@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,10 @@ class Precision:
             precision=jax.lax.Precision.HIGHEST if self.is_fp32 else None,
             preferred_element_type=preferred_element_type or self.compute_dtype)
 
+    def plain_einsum(self, subscripts: str, x: jax.Array, w: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+        """einsum through this policy's dot_general, with the result in `out_dtype`."""
+        return jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype, _dot_general=self.dot_general)
+
     def einsum(self, subscripts: str, x: jax.Array, w: jax.Array, *, site: str, meta: dict | None = None,
                out_dtype: jnp.dtype | None = None) -> jax.Array:
         """`x @ w` at a named site, in that site's recipe: x holds the activations, w the weight.
@@ -75,8 +80,10 @@ class Precision:
         recipe = self.recipe(site)
         if recipe == "bf16":
             # Cast first: einsum promotes mixed operand dtypes (bf16 x fp32 -> fp32) for its result.
-            return jnp.einsum(subscripts, self.cast(x), self.cast(w), preferred_element_type=out_dtype,
-                              _dot_general=self.dot_general)
+            xc, wc = self.cast(x), self.cast(w)
+            if out_dtype.itemsize > jnp.dtype(self.compute_dtype).itemsize:
+                return wide_result_einsum(self, subscripts, out_dtype, xc, wc)
+            return self.plain_einsum(subscripts, xc, wc, out_dtype)
         if recipe == "fp8_delayed" and meta is None:
             raise ValueError(f"site {site!r}: fp8_delayed needs its amax histories (meta); create them with "
                              f"model.layers.site_matmul or exclude the site")
@@ -87,6 +94,39 @@ class Precision:
         else:
             y = fp8.per_tensor_matmul(x_mk, w_kn, meta if recipe == "fp8_delayed" else None, out_dtype)
         return unflatten(y)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def wide_result_einsum(policy: Precision, subscripts: str, out_dtype: jnp.dtype, x: jax.Array,
+                       w: jax.Array) -> jax.Array:
+    """`einsum(x, w)` in the compute dtype with a wider (fp32) result, whose backward GEMMs take and
+    return the compute dtype, as every other matmul's backward does.
+
+    Left to autodiff, the fp32 result's fp32 cotangent would meet bf16 operands in the two backward
+    GEMMs (dX = g·Wᵀ, dW = Xᵀ·g), and XLA runs such mixed dots as fp32 (TF32 on GPUs) GEMMs: on the
+    1B config's head (16384 x 2048 x 32000) those took 15.7 ms of a 288 ms step on one H100, about
+    twice their bf16 time. Here the cotangent is rounded to the compute dtype once and both GEMMs run
+    in it with fp32 accumulation inside. Each index of `subscripts` must appear in two of its three
+    terms (true of the head's "btd,dv->btv"), so that both transposes are again einsums.
+    """
+    return policy.plain_einsum(subscripts, x, w, out_dtype)
+
+
+def _wide_fwd(policy, subscripts, out_dtype, x, w):
+    return policy.plain_einsum(subscripts, x, w, out_dtype), (x, w)
+
+
+def _wide_bwd(policy, subscripts, out_dtype, residuals, g):
+    x, w = residuals
+    lhs, rest = subscripts.replace(" ", "").split(",")
+    rhs, out = rest.split("->")
+    g = policy.cast(g)
+    dx = policy.plain_einsum(f"{out},{rhs}->{lhs}", g, w, x.dtype)
+    dw = policy.plain_einsum(f"{lhs},{out}->{rhs}", x, g, w.dtype)
+    return dx, dw
+
+
+wide_result_einsum.defvjp(_wide_fwd, _wide_bwd)
 
 
 def canonical(subscripts: str, x: jax.Array, w: jax.Array):

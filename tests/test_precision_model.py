@@ -59,6 +59,45 @@ def test_head_gemm_returns_fp32_in_the_bf16_model():
     assert len(dense) == 6 and all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in dense)
 
 
+def test_head_gemm_backward_stays_in_the_compute_dtype():
+    """The fp32 logits' cotangent is rounded to bf16 before the two backward GEMMs, so no dot of the
+    gradient mixes fp32 and bf16 operands (XLA would run it as an fp32/TF32 GEMM); dW still
+    accumulates in fp32."""
+    setup = make_setup(single_device(tiny_config("precision.compute=bfloat16", "model.vocab_size=200")), 1)
+    state = init_state(setup)
+    mb = make_batches(setup).batch(0).microbatch(0)
+    loss = loss_sum_fn(setup)
+    grad = jax.grad(lambda p: loss(p, mb, state.model_state)[0])
+    dots = dots_of(jax.make_jaxpr(grad)(state.params).jaxpr)
+    vocab = setup.cfg.model.vocab_size
+    head = [e for e in dots if vocab in e.invars[0].aval.shape + e.invars[1].aval.shape]
+    assert len(head) == 3  # forward logits, dX, dW
+    for e in head:
+        assert {v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.bfloat16)}, e
+
+
+def test_wide_result_einsum_gradients_match_fp32():
+    """The head GEMM's custom backward against autodiff of the same product in fp32 on the same bf16
+    operands: both gradients within bf16 rounding (the cotangent and the results are rounded once to
+    bf16, 2^-8 relative each; 1e-2 of the norm leaves room and fails on a transposed or missing term)."""
+    policy = Precision.from_names("bfloat16")
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (2, 5, 48), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    w = jax.random.normal(kw, (48, 72), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    g = jax.random.normal(kg, (2, 5, 72), jnp.float32)
+
+    def got(x, w):
+        return policy.einsum("btd,dv->btv", x, w, site="lm_head", out_dtype=jnp.float32)
+
+    y, vjp = jax.vjp(got, x, w)
+    assert y.dtype == jnp.float32
+    y_ref, vjp_ref = jax.vjp(lambda x, w: jnp.einsum("btd,dv->btv", x, w, precision="highest"), x, w)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)  # bf16-exact operands, fp32 accumulation
+    for a, b in zip(vjp(g), vjp_ref(g)):
+        assert a.shape == b.shape and a.dtype == jnp.float32
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
+
+
 def test_loss_at_the_1b_head_shape_matches_float64():
     """d_model 2048, vocab 32000 (configs/llama1b_h100.yaml), 4 token rows, bf16 compute."""
     d, v, rows = 2048, 32000, 4
