@@ -257,6 +257,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
         else:
             rows["idle"] += sum(t - s for s, t in idle)
 
+    gap_report = idle_gaps(per_device[devices[0]], t0, t1)
     n_dev = len(devices)
     step_nums = {int(m["args"]["step_num"]) for m in markers}
     if steps:
@@ -302,7 +303,31 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
                 memcpy_hidden_ms=hidden.get("memcpy", 0.0) / n_dev / 1e3, host=host,
                 top_kernels=[dict(name=name, category=cat, ms=us / n_dev / 1e3, count=round(calls[(cat, name)] / n_dev),
                                   mean_us=us / calls[(cat, name)]) for (cat, name), us in top],
-                notes=notes)
+                idle_gaps=gap_report, notes=notes)
+
+
+GAP_BINS_US = (10.0, 100.0, 1000.0)  # launch-sized, host-sized, stall-sized gaps
+
+
+def idle_gaps(pieces: list[tuple[float, float, Kernel]], t0: float, t1: float, top: int = 8) -> dict[str, Any]:
+    """Where one device's idle time lies: its gaps binned by length, and the longest gaps with the
+    kernels on either side. Many short gaps point at launch overhead (small kernels, the host feeding
+    them one by one); a few long ones at a synchronization or a host-side wait."""
+    ordered = sorted(pieces, key=lambda p: p[0])
+    busy = _union([(s, t) for s, t, _ in ordered])
+    gaps = [(s, t) for s, t in _gaps(busy, t0, t1) if t > s]
+    edges = (0.0, *GAP_BINS_US, float("inf"))
+    bins = []
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [t - s for s, t in gaps if lo <= t - s < hi]
+        label = f"{lo:g}-{hi:g} us" if hi != float("inf") else f">= {lo:g} us"
+        bins.append(dict(range=label, count=len(inside), ms=sum(inside) / 1e3))
+    longest = []
+    for s, t in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        prev = next((k.name for _, b, k in reversed(ordered) if b <= s + 1e-3), "(window start)")
+        nxt = next((k.name for a, _, k in ordered if a >= t - 1e-3), "(window end)")
+        longest.append(dict(us=t - s, at_ms=(s - t0) / 1e3, prev=prev, next=nxt))
+    return dict(bins=bins, longest=longest)
 
 
 def _gaps(busy: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
@@ -345,6 +370,14 @@ def format_table(report: dict[str, Any]) -> str:
     for t in report["top_kernels"]:
         name = t["name"] if len(t["name"]) <= 90 else t["name"][:87] + "..."
         lines.append(f"{t['ms']:>10.2f}{t['count']:>7}{t['mean_us']:>10.1f}  {t['category']:<12} {name}")
+    gaps = report.get("idle_gaps")
+    if gaps:
+        lines += ["", f"idle gaps on {report['devices'][0]} by length",
+                  f"{'length':>16}{'gaps':>8}{'ms':>10}"]
+        lines += [f"{b['range']:>16}{b['count']:>8}{b['ms']:>10.2f}" for b in gaps["bins"]]
+        lines += ["longest idle gaps", f"{'us':>10}{'at ms':>10}  kernel before -> kernel after"]
+        for g in gaps["longest"]:
+            lines.append(f"{g['us']:>10.1f}{g['at_ms']:>10.2f}  {g['prev'][:60]} -> {g['next'][:60]}")
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 

@@ -125,6 +125,12 @@ def test_collective_half_under_a_gemm_is_half_exposed(tmp_path):
     top = {t["name"]: t["ms"] * 1e3 for t in r["top_kernels"]}  # self time: the hidden collective in full
     assert top == pytest.approx({"sm90_xmma_gemm_bf16": 10, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 10,
                                  "loop_add_fusion": 10, "nvjet_tst_64x8": 8, "MemcpyD2D": 2})
+    # The idle gaps: 15-20 (5 us, launch-sized) and 30-40 (10 us), longest first with their neighbours.
+    gaps = r["idle_gaps"]
+    assert [b["count"] for b in gaps["bins"]] == [1, 1, 0, 0]
+    assert [b["ms"] * 1e3 for b in gaps["bins"]] == pytest.approx([5, 10, 0, 0])
+    assert [(g["us"], g["at_ms"] * 1e3, g["prev"], g["next"]) for g in gaps["longest"]] == [
+        (10, 30, "loop_add_fusion", "MemcpyD2D"), (5, 15, "sm90_xmma_gemm_bf16", "loop_add_fusion")]
 
 
 def test_table_and_json_entry_point(tmp_path, capsys):
