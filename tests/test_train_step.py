@@ -105,3 +105,35 @@ def test_padded_vocab_columns_get_no_probability():
     want = sum(lse[b, t] - logits[b, t, lab] for b, row in enumerate([[0, 1, 2], [3, 4]]) for t, lab in enumerate(row))
     assert float(n) == 5
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+
+
+def _pallas_forward_calls(jaxpr) -> int:
+    """pallas_call equations named flash_attention_fwd, at any depth of the jaxpr."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and "flash_attention_fwd" in str(eqn.params.get("name_and_src_info", eqn.params.get("name", ""))):
+            n += 1
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else (v,):
+                inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    n += _pallas_forward_calls(inner)
+    return n
+
+
+@pytest.mark.parametrize("policy,fwd_calls", [("save_dots", 2), ("save_dots_attn", 1)])
+def test_save_dots_attn_keeps_the_attention_forward(policy, fwd_calls):
+    """Under save_dots the backward reruns the fused attention forward (2 calls per layer in the gradient);
+    save_dots_attn keeps its outputs (1 call), and the gradients stay the same."""
+    from meshtrain.train_step import init_state, loss_sum_fn, make_batches
+    cfg = single_device(tiny_config("model.attention=pallas", "model.n_layers=1", f"train.remat={policy}"))
+    setup = make_setup(cfg, 1)
+    state, mb = init_state(setup), make_batches(setup).batch(0).microbatch(0)
+    loss = loss_sum_fn(setup)
+    grad = jax.grad(lambda p: loss(p, mb, state.model_state)[0])
+    assert _pallas_forward_calls(jax.make_jaxpr(grad)(state.params).jaxpr) == fwd_calls
+    if policy == "save_dots_attn":
+        ref = make_setup(single_device(tiny_config("model.attention=pallas", "model.n_layers=1", "train.remat=save_dots")), 1)
+        want = jax.grad(lambda p: loss_sum_fn(ref)(p, mb, state.model_state)[0])(state.params)
+        got = grad(state.params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)

@@ -6,6 +6,10 @@ a policy says which of them the backward pass keeps instead of recomputing.
   none       keep everything (fastest, most memory)
   full       keep only the block input; recompute the whole block in the backward pass
   save_dots  keep every matmul output without a batch dim (projections), recompute the rest
+  save_dots_attn
+             save_dots, and the fused attention kernel's outputs (o and the log-sum-exp its backward
+             reads), so the backward never reruns attention's forward; the jnp reference attention
+             has no such kernel and recomputes as under save_dots
   save_attn  keep the q/k/v projections and the attention output (attention is the costly part)
   names:a,b  keep exactly the named points
 """
@@ -14,6 +18,23 @@ from __future__ import annotations
 import jax
 
 from meshtrain.config import CHECKPOINT_POINTS
+
+
+def fused_attention_forward(prim, *_, **params) -> bool:
+    """The forward kernel of a fused attention: cuDNN's (jax.nn.dot_product_attention) or the Pallas
+    flash attention's. Both sit inside a custom_vjp whose forward rule the policy sees, and their
+    outputs are exactly the residuals the matching backward kernel reads."""
+    if prim.name == "dot_product_attention_fwd_wrapper":
+        return True
+    if prim.name == "pallas_call":
+        name = str(params.get("name_and_src_info", params.get("name", "")))
+        return name.startswith("flash_attention_fwd")
+    return False
+
+
+def _save_dots_attn(prim, *args, **params) -> bool:
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or fused_attention_forward(prim, *args, **params))
 
 
 def remat_policy(name: str):
@@ -25,6 +46,8 @@ def remat_policy(name: str):
         return cp.nothing_saveable
     if name == "save_dots":
         return cp.dots_with_no_batch_dims_saveable
+    if name == "save_dots_attn":
+        return _save_dots_attn
     if name == "save_attn":
         return cp.save_only_these_names("qkv", "attn_out")
     if name.startswith("names:"):

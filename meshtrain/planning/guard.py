@@ -13,7 +13,7 @@ from dataclasses import replace
 from meshtrain.config import Config, ConfigError
 from meshtrain.planning.memory import Layout, estimate
 
-REMAT_ORDER = ("none", "save_attn", "save_dots", "full")  # least to most recomputation
+REMAT_ORDER = ("none", "save_dots_attn", "save_attn", "save_dots", "full")  # least to most recomputation
 
 GIB = 2.0**30
 

@@ -133,6 +133,9 @@ RESIDUALS = {
     "none": dict(D_c=2, D_f32=4, F_c=6, Q_c=4, KV_c=0, S_c=1, S_f32=2, weights=True),
     "full": dict(D_c=1),
     "save_dots": dict(D_c=2, F_c=2, Q_c=1, KV_c=2),
+    # save_dots plus the fused attention kernel's output o (its fp32 log-sum-exp, [b, H/tp, s], is
+    # left out as small); with the jnp reference attention nothing more is kept, so this is an upper bound.
+    "save_dots_attn": dict(D_c=2, F_c=2, Q_c=2, KV_c=2),
     "save_attn": dict(D_c=1, Q_c=2, KV_c=2),
 }
 # attn_proj and mlp_out feed only the residual add, whose backward needs neither: saving them keeps nothing.
