@@ -6,9 +6,12 @@ the field, the value and the fix, and `validate()` reports every problem at once
   schema.py      the frozen dataclasses (one per section), MESH_AXES, CHECKPOINT_POINTS, derived values
   presets.py     model presets (`model.preset`)
   loading.py     defaults <- preset <- YAML <- overrides: build_config, load_config, to_yaml, help_text
+  from_hf.py     a Hugging Face config.json as model fields, for checkpoint.init_from=hf:DIR
   validation.py  ConfigError and validate() with its per-section checks
 
-Everything is imported from here (`from meshtrain.config import ...`); the files are the layout.
+Outside the package, import `from meshtrain.config import ...` (from_hf's names through meshtrain.hf.config).
+Inside, imports point one way: schema <- validation <- from_hf <- loading, presets stand alone; nothing
+here imports the rest of meshtrain except validation's lazy, jax-free parallel.schedules.
 """
 from meshtrain.config.loading import (
     all_keys, build_config, cpu_default_overrides, help_text, load_config, to_yaml,

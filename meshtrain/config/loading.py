@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from meshtrain.config.from_hf import apply_hf_values, hf_dir
 from meshtrain.config.presets import PRESETS
 from meshtrain.config.schema import Config, ModelConfig, RunConfig
 from meshtrain.config.validation import ConfigError
@@ -130,9 +131,8 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
             per_section[section][name] = _coerce(key, raw, tp)
         except ConfigError as e:
             problems.extend(e.problems)
-    # A Hugging Face model decides the shape: its config.json goes over the preset (hf/config.py).
+    # A Hugging Face model decides the shape: its config.json goes over the preset (from_hf.py).
     if str(per_section["checkpoint"].get("init_from", "")).startswith("hf:"):
-        from meshtrain.hf.config import apply_hf_values, hf_dir
         explicit = {k[6:]: per_section["model"][k[6:]] for k in flat
                     if k.startswith("model.") and k in valid and k[6:] in per_section["model"]}
         problems.extend(apply_hf_values(per_section["model"], explicit, hf_dir(per_section["checkpoint"]["init_from"])))
