@@ -1,0 +1,42 @@
+"""Typed, frozen configuration: YAML file, then dotted `section.key=value` overrides, then validate().
+
+The config is the user's whole interface, so every mistake is reported as a `ConfigError` that names
+the field, the value and the fix, and `validate()` reports every problem at once instead of the first.
+
+  schema.py      the frozen dataclasses (one per section), MESH_AXES, CHECKPOINT_POINTS, derived values
+  presets.py     model presets (`model.preset`)
+  loading.py     defaults <- preset <- YAML <- overrides: build_config, load_config, to_yaml, help_text
+  from_hf.py     a Hugging Face config.json as model fields, for checkpoint.init_from=hf:DIR
+  validation.py  ConfigError and validate() with its per-section checks
+
+Outside the package, import `from meshtrain.config import ...` (from_hf's names through meshtrain.hf.config).
+Inside, imports point one way: schema <- validation <- from_hf <- loading, presets stand alone; nothing
+here imports the rest of meshtrain except validation's lazy, jax-free parallel.schedules.
+"""
+from meshtrain.config.loading import (
+    all_keys, build_config, cpu_default_overrides, help_text, load_config, to_yaml,
+)
+from meshtrain.config.presets import LLAMA2, LLAMA3, LLAMA31, PRESETS
+from meshtrain.config.schema import (
+    CHECKPOINT_POINTS, MESH_AXES, REMAT_FIXED, CheckpointConfig, Config, DataConfig, DistributedConfig, EvalConfig,
+    MeshConfig, ModelConfig, MoEConfig, PipelineConfig, PrecisionConfig, RunConfig, TrainConfig,
+    fp8_exclude_patterns, padded_vocab, profile_range, with_mesh,
+)
+from meshtrain.config.validation import (
+    ConfigError, pipeline_problems, precision_problems, profile_problems, resolve_mesh, validate, validate_moe,
+    validate_new_sections,
+)
+
+__all__ = [
+    # schema
+    "MESH_AXES", "CHECKPOINT_POINTS", "REMAT_FIXED", "Config", "MeshConfig", "ModelConfig", "MoEConfig",
+    "TrainConfig", "DataConfig", "PrecisionConfig", "PipelineConfig", "CheckpointConfig", "EvalConfig",
+    "DistributedConfig", "RunConfig", "padded_vocab", "fp8_exclude_patterns", "profile_range", "with_mesh",
+    # presets
+    "PRESETS", "LLAMA2", "LLAMA3", "LLAMA31",
+    # loading
+    "all_keys", "build_config", "load_config", "to_yaml", "help_text", "cpu_default_overrides",
+    # validation
+    "ConfigError", "validate", "resolve_mesh", "validate_moe", "validate_new_sections", "profile_problems",
+    "precision_problems", "pipeline_problems",
+]

@@ -1,0 +1,185 @@
+"""Loading: defaults <- model preset <- YAML file <- dotted `section.key=value` overrides, each value
+coerced to its field's type; unknown keys get a suggestion. Also the YAML dump and the --help listing.
+"""
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from meshtrain.config.from_hf import apply_hf_values, hf_dir
+from meshtrain.config.presets import PRESETS
+from meshtrain.config.schema import Config, ModelConfig, RunConfig
+from meshtrain.config.validation import ConfigError
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _section_types().items() for f in fields(cls)]
+
+
+def _unknown(key: str, candidates: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(candidates)}"
+    return f"unknown config key '{where}': {hint}"
+
+
+def _coerce(key: str, raw: Any, tp: Any) -> Any:
+    """Turn a YAML/CLI value into the field's declared type, or raise ConfigError naming the key."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        value = str(raw) if not isinstance(raw, str) else raw
+        if value not in choices:
+            raise ConfigError(f"{key}={raw!r}: must be one of {', '.join(map(str, choices))}")
+        return value
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in ("true", "1", "yes", "on"):
+            return True
+        if s in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r}: must be true or false")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r}: must be an integer")
+        try:
+            f = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r}: must be an integer") from None
+        if not f.is_integer():
+            raise ConfigError(f"{key}={raw!r}: must be an integer")
+        return int(f)
+    if tp is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r}: must be a number") from None
+    if tp is str:
+        return "" if raw is None else str(raw)
+    raise TypeError(f"unsupported config field type {tp} for {key}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _parse_cli_value(text: str) -> Any:
+    # YAML parsing gives `1e-3` -> float, `true` -> bool, `[1,2]` -> list, and leaves words as str.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def build_config(file_values: dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- model preset <- YAML mapping <- `section.key=value` overrides. Collects all errors."""
+    flat: dict[str, Any] = {}
+    cli_text: dict[str, str] = {}  # override text as typed: string fields take it verbatim
+    problems: list[str] = []
+    sections = _section_types()
+    for section, values in (file_values or {}).items():
+        if section not in sections:
+            problems.append(_unknown(str(section), list(sections), str(section)))
+            continue
+        if values is None:  # a section whose keys are all commented out
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"config section '{section}' must be a mapping of key: value, got {values!r}")
+            continue
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v
+    for item in overrides or []:
+        if "=" not in item:
+            problems.append(f"override '{item}' must look like section.key=value (e.g. train.steps=10)")
+            continue
+        k, v = item.split("=", 1)
+        flat[k.strip()] = _parse_cli_value(v)
+        cli_text[k.strip()] = v
+
+    # The preset first, so that explicit model fields override it.
+    preset = flat.get("model.preset", ModelConfig.preset)
+    model_values: dict[str, Any] = {}
+    if str(preset) not in PRESETS:
+        problems.append(f"model.preset={preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+    else:
+        model_values.update(PRESETS[str(preset)])
+
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    per_section["moe"].update(model_values.pop("moe", {}))
+    per_section["model"].update(model_values)
+    valid = all_keys()
+    for key, raw in flat.items():
+        section, _, name = key.partition(".")
+        if key not in valid:
+            problems.append(_unknown(key, valid, key))
+            continue
+        tp = _field_types(sections[section])[name]
+        if tp is str and key in cli_text:
+            raw = cli_text[key]  # YAML would turn `run.dir=010` into 8 and `host=10:30` into 630
+        try:
+            per_section[section][name] = _coerce(key, raw, tp)
+        except ConfigError as e:
+            problems.extend(e.problems)
+    # A Hugging Face model decides the shape: its config.json goes over the preset (from_hf.py).
+    if str(per_section["checkpoint"].get("init_from", "")).startswith("hf:"):
+        explicit = {k[6:]: per_section["model"][k[6:]] for k in flat
+                    if k.startswith("model.") and k in valid and k[6:] in per_section["model"]}
+        problems.extend(apply_hf_values(per_section["model"], explicit, hf_dir(per_section["checkpoint"]["init_from"])))
+    # Read before jax starts (run.py simulates the CPU devices), so it cannot wait for validate().
+    if per_section["run"].get("cpu_devices", RunConfig.cpu_devices) < 1:
+        problems.append(f"run.cpu_devices={per_section['run']['cpu_devices']}: must be >= 1")
+    if problems:
+        raise ConfigError(problems)
+    return Config(**{s: sections[s](**per_section[s]) for s in sections})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    file_values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {str(path)!r}: no such file; configs/ holds the shipped ones")
+        try:
+            file_values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            detail = " ".join(str(e).split())  # one line per problem, as everywhere
+            raise ConfigError(f"--config {str(path)!r}: not valid YAML ({detail})") from None
+        if not isinstance(file_values, dict):
+            raise ConfigError(f"--config {str(path)!r}: top level must be a mapping of sections")
+    return build_config(file_values, overrides)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def help_text(machine_defaults: list[str] | None = None, why: str = "") -> str:
+    """Every key, its type and the default that applies: `machine_defaults` (overrides such as the CPU
+    run's) replace the dataclass default, which is then named beside it with `why`."""
+    applied = build_config({}, machine_defaults or [])
+    lines = []
+    for section, cls in _section_types().items():
+        types_ = _field_types(cls)
+        for f in fields(cls):
+            default, here = f.default, getattr(getattr(applied, section), f.name)
+            tp = types_[f.name]
+            kind = "|".join(map(str, get_args(tp))) if get_origin(tp) is Literal else tp.__name__
+            note = f" ({why}; {default!r} otherwise)" if here != default else ""
+            lines.append(f"  {section + '.' + f.name:<30} {kind:<24} default {here!r}{note}")
+    return "\n".join(lines)
+
+
+def cpu_default_overrides() -> list[str]:
+    """The embedded default on a CPU-only machine: 8 simulated devices as dp=2, fsdp=2, tp=2."""
+    return ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.steps=60", "train.log_every=5"]

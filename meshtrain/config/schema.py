@@ -1,0 +1,239 @@
+"""The configuration's schema: one frozen dataclass per section, the constants they name, and values
+derived from them (padded vocabulary, fp8 exclusions, the profiled step range, the resolved mesh).
+
+Pure Python: nothing here validates or loads; validation.py checks these values, loading.py fills them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
+
+# Names of the remat save points the model marks with checkpoint_name (model/transformer.py).
+CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out")
+# train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS (model/remat.py).
+REMAT_FIXED = ("none", "full", "save_dots", "save_attn")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Degrees of the 7 mesh axes, outermost (slowest links) first. One degree may be -1: the rest."""
+
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = -1
+    ep: int = 1
+    cp: int = 1
+    sp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False  # Megatron SP: norm/residual activations sharded on seq over tp
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"  # fills the shape fields below; explicit fields override it
+    n_layers: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // n_heads
+    d_ff: int = 352
+    vocab_size: int = 256
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    # Llama-3.1 RoPE scaling (rope_type "llama3"): long wavelengths slowed by rope_factor, short kept,
+    # the band between smoothed; the wavelength bounds are rope_original_max_len / the two freq factors.
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    attention: Literal["auto", "reference", "cudnn", "pallas"] = "auto"  # auto: cudnn on GPUs (bf16/fp16)
+    cp_impl: Literal["ring", "allgather"] = "ring"  # context parallelism: K/V round a ring, or all-gathered
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
+    norm: Literal["reference", "pallas"] = "reference"
+    loss: Literal["reference", "fused"] = "reference"
+    scan_layers: bool = True
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (model/moe.py); n_experts=0 keeps every FFN dense."""
+
+    n_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    top_k: int = 2  # experts each token is sent to
+    d_ff_expert: int = 0  # hidden width of one expert; 0: model.d_ff
+    n_shared: int = 0  # shared experts every token also passes through (one SwiGLU n_shared x as wide)
+    every: int = 1  # an MoE FFN in layers every-1, 2*every-1, ...; dense SwiGLU in the others
+    router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: top-k scores normalized (DeepSeek-V3)
+    capacity_factor: float = 0.0  # 0: dropless; > 0: GShard capacity per expert, overflow skips via the residual
+    aux_loss_coef: float = 0.01  # load-balancing loss (Switch/GShard form), per MoE layer
+    z_loss_coef: float = 0.001  # router z-loss (ST-MoE), per MoE layer
+    dispatch: Literal["auto", "ragged", "padded"] = "auto"  # dropless all-to-all; auto: ragged on GPUs
+    # The experts' grouped GEMMs; auto: pallas on GPUs (XLA's GPU ragged_dot is a dense dot over all experts).
+    grouped_matmul: Literal["auto", "ragged_dot", "pallas"] = "auto"
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_experts > 0
+
+    def expert_ffn(self, model: "ModelConfig") -> int:
+        return self.d_ff_expert or model.d_ff
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.enabled and (i + 1) % self.every == 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    schedule_steps: int = 0  # 0: same as steps. Set it so that a run stopped early keeps its schedule.
+    global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
+    grad_accum: int = 1  # microbatches per step, scanned inside the jitted step
+    zero_stage: int = 1  # what fsdp shards: 1 optimizer state, 2 + gradients, 3 + parameters
+    remat: str = "none"  # none | full | save_dots | save_attn | names:<point>,<point>...
+    seed: int = 0
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    log_every: int = 10
+    max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) steps
+
+    @property
+    def total_schedule_steps(self) -> int:
+        return self.schedule_steps or self.steps
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["synthetic", "file"] = "synthetic"
+    path: str = ""  # token file (.bin raw or .npy) for source=file
+    dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a raw .bin token file
+    seq_len: int = 64
+    document_mask: bool = False  # split packed rows after data.eos_id: positions restart, no cross-document attention
+    eos_id: int = -1  # end-of-document token id (needed by document_mask)
+    eval_fraction: float = 0.0  # source=file: hold out this last fraction of the file's windows for eval
+    eval_path: str = ""  # a separate token file for eval (same dtype); wins over eval_fraction
+    prefetch: int = 2  # training batches built ahead on a background thread (meshtrain/prefetch.py); 0: in the loop
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    compute: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    params: Literal["float32"] = "float32"  # master weights; optimizer state follows them
+    # Dynamic loss scaling, used with float16 compute only (bf16 has fp32's exponent range).
+    loss_scale_init: float = 32768.0
+    loss_scale_growth_interval: int = 1000  # finite steps in a row before the scale doubles
+    # Dense matmul recipe (meshtrain/precision.py): bf16 (the compute dtype), fp8 (per-tensor current
+    # scaling), fp8_delayed (scales from an amax history), fp8_blockwise (1x128 / 128x128 tiles).
+    matmul: Literal["bf16", "fp8", "fp8_delayed", "fp8_blockwise"] = "bf16"
+    fp8_amax_history: int = 16  # fp8_delayed: steps of amax history the scale is taken from
+    fp8_exclude: str = "embedding,lm_head,*router"  # comma-separated site patterns (fnmatch) kept plain
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How mesh.pp > 1 runs: the schedule (docs/PIPELINE.md) over train.grad_accum microbatches."""
+
+    schedule: Literal["afab", "1f1b", "interleaved", "zb_h1", "dualpipe_v"] = "1f1b"
+    virtual_stages: int = 1  # model chunks per stage: interleaved any v >= 1, dualpipe_v 2, others 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run.dir>/checkpoints
+    every: int = 0  # steps between saves; 0 disables saving (restore still happens if dir has one)
+    keep: int = 3  # keep the last N committed checkpoints
+    async_save: bool = True
+    init_from: str = ""  # hf:DIR starts a fresh run from a Hugging Face Llama directory (its shape too)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # steps between evaluations on held-out data (and after the last step); 0: never
+    batches: int = 4  # global batches per evaluation (the same ones every time)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host start. Empty values are read from the environment (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID) or detected (SLURM); a single process needs none."""
+
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    local_device_ids: str = ""  # e.g. "0,1,2,3"; empty: all local devices
+    cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"  # how CPU devices talk across processes
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    progress: bool = True  # live progress bar on a terminal
+    cpu_devices: int = 8  # simulated devices when only a CPU is found (set before jax starts)
+    memory_guard: bool = True  # refuse a config whose memory estimate exceeds the device (host on CPU)
+    tensorboard: bool = False  # also write every metric as TensorBoard events to <run.dir>/tensorboard
+    # "START:END": trace the steps that take the state's step counter from START to END into
+    # <run.dir>/profile (docs/PROFILE.md); empty for none.
+    profile_steps: str = ""
+
+
+@dataclass(frozen=True)
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run.dir) / "checkpoints")
+
+
+# ------------------------------------------------------------------------------------ derived values
+
+
+def padded_vocab(model: ModelConfig, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp so the logits shard evenly; pads are masked out."""
+    return -(-model.vocab_size // tp) * tp
+
+
+def fp8_exclude_patterns(pc: PrecisionConfig) -> tuple[str, ...]:
+    return tuple(p.strip() for p in pc.fp8_exclude.split(",") if p.strip())
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """run.profile_steps "START:END" -> (START, END); None when empty or malformed (validate() says which)."""
+    start, sep, end = text.strip().partition(":")
+    try:
+        return (int(start), int(end)) if sep else None
+    except ValueError:
+        return None
+
+
+def with_mesh(cfg: Config, degrees: dict[str, int]) -> Config:
+    """The config with the -1 degree filled in (what gets saved beside a checkpoint)."""
+    return replace(cfg, mesh=replace(cfg.mesh, **degrees))
