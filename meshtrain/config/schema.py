@@ -15,7 +15,7 @@ MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 # Names of the remat save points the model marks with checkpoint_name (model/transformer.py).
 CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out")
 # train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS (model/remat.py).
-REMAT_FIXED = ("none", "full", "save_dots", "save_attn")
+REMAT_FIXED = ("none", "full", "save_dots", "save_dots_attn", "save_attn")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class TrainConfig:
     global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
     grad_accum: int = 1  # microbatches per step, scanned inside the jitted step
     zero_stage: int = 1  # what fsdp shards: 1 optimizer state, 2 + gradients, 3 + parameters
-    remat: str = "none"  # none | full | save_dots | save_attn | names:<point>,<point>...
+    remat: str = "none"  # none | full | save_dots | save_dots_attn | save_attn | names:<point>,<point>...
     seed: int = 0
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
