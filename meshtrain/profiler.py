@@ -56,7 +56,8 @@ class StepTrace:
 
     def after(self, step: int, outputs: Any) -> float:
         """Called after dispatching step `step`: stops the trace once the window's last step is done.
-        Returns the host seconds spent writing the trace, to be kept off the throughput clock."""
+        Returns the host seconds spent writing the trace, to be kept off the throughput clock (the wait
+        for `outputs` is not among them: it is that step's device time)."""
         self.last = step
         if not (self.active and step + 1 >= self.window[1]):
             return 0.0
