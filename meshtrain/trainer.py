@@ -199,7 +199,9 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     with _StopFlag() as stop:
         try:
             for step in range(start, t.steps):
-                with trace.step(step, state):
+                # Starting a trace waits for `state`, which the read below waits for anyway.
+                timer.pause(trace.begin(step, state))
+                with trace.step(step):
                     state, metrics = step_fn(state, feed.get(step))
                 if pending is not None:
                     read(*pending)
