@@ -132,7 +132,8 @@ def format_record(r: dict[str, Any]) -> str:
     if r.get("includes_compile"):
         parts.append("(includes compilation)")
     if r.get("paused_s"):
-        parts.append(f"(+{r['paused_s']:.1f} s checkpoint/eval/trace writing, not counted)")
+        p = r["paused_s"]  # starting a trace takes a fraction of a millisecond on a CPU
+        parts.append(f"(+{f'{p:.1f} s' if p >= 0.05 else f'{p * 1e3:.1f} ms'} checkpoint/eval/trace, not counted)")
     if r.get("mfu") is not None:
         parts.append(f"{r['tflops_per_device']:.0f} TFLOP/s/dev  MFU {r['mfu'] * 100:.1f}%")
     if "peak_mem_gib" in r:

@@ -3,8 +3,9 @@
 The window is counted like the state's step counter: START:END traces the steps that take it from
 START to END (the steps logged as START+1 .. END). Before the first one the host waits for the work
 already queued, so the trace starts clean; after the last one it waits for that step's outputs, so
-the trace holds its device work, then stops. Steps outside the window run exactly as without it: one
-comparison per step.
+the trace holds its device work, then stops. Starting and writing the trace are kept off the logged
+step time; the two waits stay on it, being the steps' own device time (trainer.py says where they
+must come). Steps outside the window run exactly as without it: a few comparisons per step.
 
 The trace is what `jax.profiler` writes: `<run.dir>/profile/plugins/profile/<time>/<host>.trace.json.gz`
 (Chrome trace format, read by `python -m meshtrain.profile_table`), a `perfetto_trace.json.gz` beside it
@@ -42,22 +43,33 @@ class StepTrace:
         elif self.window and first_step > self.window[0]:  # resumed inside the window: trace what is left
             self.window = (first_step, self.window[1])
 
-    def step(self, step: int, pending: Any):
-        """Context around dispatching step `step` (0-based, as the step counter before it runs).
-        `pending` is the state the previous steps produced: the trace starts once it is computed."""
-        if self.window is None or not self.window[0] <= step < self.window[1]:
-            return contextlib.nullcontext()
-        if not self.active:
-            jax.block_until_ready(pending)
-            self.directory.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
-            self.active = True
-        return jax.profiler.StepTraceAnnotation(STEP_MARKER, step_num=step)
+    def begin(self, step: int, pending: Any) -> float:
+        """Called before dispatching step `step` (0-based, as the step counter before it runs): at the
+        window's first step, waits for `pending` (the state the previous steps produced), then starts
+        the trace. Returns the host seconds spent starting it, to be kept off the throughput clock."""
+        if self.active or self.window is None or not self.window[0] <= step < self.window[1]:
+            return 0.0
+        jax.block_until_ready(pending)
+        began = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+        self.active = True
+        return time.perf_counter() - began
+
+    def step(self, step: int):
+        """Context around dispatching step `step`: its marker in the trace while one is being taken."""
+        return self._traced(step) if self.active else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _traced(self, step: int):
+        with jax.profiler.StepTraceAnnotation(STEP_MARKER, step_num=step):
+            yield
+        self.last = step  # dispatched: an early stop's trace reaches this far
 
     def after(self, step: int, outputs: Any) -> float:
         """Called after dispatching step `step`: stops the trace once the window's last step is done.
-        Returns the host seconds spent writing the trace, to be kept off the throughput clock."""
-        self.last = step
+        Returns the host seconds spent writing the trace, to be kept off the throughput clock (the wait
+        for `outputs` is not among them: it is that step's device time)."""
         if not (self.active and step + 1 >= self.window[1]):
             return 0.0
         jax.block_until_ready(outputs)

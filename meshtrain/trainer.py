@@ -161,7 +161,8 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     timer = Throughput()
 
     def paused(work, *args):
-        """Run host-side work (save, eval) off the throughput clock; the step it waits for stays on it."""
+        """Run host-side work (save, eval) off the throughput clock; the step it waits for stays on it.
+        Call it only after the previous step was read (see the loop)."""
         jax.block_until_ready(state)
         began = time.perf_counter()
         out = work(*args)
@@ -198,13 +199,18 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     with _StopFlag() as stop:
         try:
             for step in range(start, t.steps):
-                with trace.step(step, state):
+                # Starting a trace waits for `state`, which the read below waits for anyway.
+                timer.pause(trace.begin(step, state))
+                with trace.step(step):
                     state, metrics = step_fn(state, feed.get(step))
-                if trace.active:
-                    timer.pause(trace.after(step, (state, metrics)))
                 if pending is not None:
                     read(*pending)
                 pending = (step + 1, metrics)
+                # Waiting for this step (to stop the trace, save, evaluate) only after the previous one was
+                # read: the read ends the previous step's interval, so a wait before it would move this
+                # step's device time into that interval and leave this step's own interval near empty.
+                if trace.active:
+                    timer.pause(trace.after(step, (state, metrics)))
                 log.advance()
                 done = step + 1
                 if ckpt and cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == t.steps):

@@ -1,11 +1,16 @@
 """Throughput accounting and the metrics file."""
 import json
 import re
+import statistics
 
 import jax
+import jax.numpy as jnp
+import pytest
 
-from helpers import make_setup
-from meshtrain.config import build_config
+from helpers import make_setup, single_device, tiny_config
+from meshtrain import trainer
+from meshtrain.config import build_config, validate, with_mesh
+from meshtrain.mesh import build_mesh
 from meshtrain.metrics import MetricsLog, count_params, flops_per_token, peak_flops
 from meshtrain.train_step import init_state
 
@@ -41,3 +46,54 @@ def test_resumed_run_appends(tmp_path):
     MetricsLog(str(tmp_path), total_steps=3, first_step=1, progress=False).close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
     assert not list(tmp_path.glob("metrics.*.jsonl"))
+
+
+# ------------------------------------------------------------------ step time around host-side work
+
+BURN_N, BURN_ROUNDS = 512, 6  # tens of milliseconds of matmuls per step on a CPU core or two
+
+
+def with_device_work(make_train_step):
+    """make_train_step whose steps also run a chain of matmuls on the device, after the real step and
+    before the state and metrics are ready: a step that the host sees finish only tens of milliseconds
+    after dispatching it, as on a GPU, where the tiny model's own step would be over at once."""
+    def make(setup):
+        step = make_train_step(setup)
+
+        @jax.jit
+        def burn(state, metrics):
+            x = jnp.full((BURN_N, BURN_N), 1e-3) + state.step.astype(jnp.float32) * 1e-6
+            for _ in range(BURN_ROUNDS):
+                x = jnp.tanh(x @ x)
+            never = jnp.sum(x) > 1e30  # |tanh| <= 1, but XLA cannot know: the outputs wait for the matmuls
+            return (state.replace(step=state.step + never.astype(state.step.dtype)),
+                    dict(metrics, loss=jnp.where(never, jnp.nan, metrics["loss"])))
+        return lambda state, batch: burn(*step(state, batch))
+    return make
+
+
+@pytest.fixture(scope="module")
+def paused_run(tmp_path_factory):
+    """One device, every step logged: the trace of steps 2:4 starts in the interval of step 2 and is
+    written in that of step 4, a checkpoint is saved in that of step 5 (and 7), an evaluation runs in
+    that of step 6 (and 7)."""
+    run_dir = tmp_path_factory.mktemp("paused")
+    cfg = single_device(tiny_config("train.steps=7", "train.log_every=1", "run.profile_steps=2:4",
+                                    "checkpoint.every=5", "eval.every=6", "eval.batches=1", f"run.dir={run_dir}"))
+    degrees = validate(cfg, 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "make_train_step", with_device_work(trainer.make_train_step))
+        return trainer.train(with_mesh(cfg, degrees), build_mesh(degrees, jax.devices()[:1]))
+
+
+def test_host_work_moves_no_device_time_between_intervals(paused_run):
+    """Each interval reports its own step's device time: waiting for the device before the trace is
+    written (or a checkpoint saved, or an evaluation run) must not pull the next step's device time
+    into this interval and leave the next one empty (the written interval once read 1 ms/step)."""
+    timed = {r["step"]: r for r in paused_run.records if not r["includes_compile"]}
+    assert sorted(timed) == [2, 3, 4, 5, 6, 7]
+    median = statistics.median(r["step_time_s"] for r in timed.values())
+    for s, r in timed.items():
+        assert median / 2 < r["step_time_s"] < median * 2, (s, {s: r["step_time_s"] for s, r in timed.items()})
+    # The host-side work (starting the trace too) is taken out of the interval it ran in.
+    assert all(timed[s]["paused_s"] > 0 for s in (2, 4, 5, 6, 7)), {s: r["paused_s"] for s, r in timed.items()}
