@@ -154,7 +154,8 @@ def read_trace(events: list[dict]) -> tuple[list[Kernel], dict[str, list[tuple[f
 
 def self_time_pieces(kernels: list[Kernel]) -> list[tuple[float, float, Kernel]]:
     """One thread's kernels as non-overlapping pieces: a kernel nested in another (a thunk inside a
-    while loop) owns its interval; the outer one keeps the rest."""
+    while loop) owns its interval; the outer one keeps the rest. A kernel that outlasts the one it
+    starts in follows it (the earlier one is cut where it begins)."""
     pieces, stack, now = [], [], None  # stack: (end, kernel), innermost last
 
     def emit(until: float) -> None:
@@ -165,6 +166,14 @@ def self_time_pieces(kernels: list[Kernel]) -> list[tuple[float, float, Kernel]]
         while stack and stack[-1][0] <= k.start:
             emit(stack[-1][0])
             now = stack.pop()[0]
+        # One that starts inside another but ends after it is not nested in it: on a GPU stream that is
+        # the timestamp jitter of back-to-back kernels (they overlap by fractions of a microsecond), so
+        # the earlier one ends where the later begins. (Clipping the later one to the earlier's end
+        # would turn nearly all of it into idle time.)
+        while stack and stack[-1][0] < k.end:
+            emit(k.start)
+            now = k.start
+            stack.pop()
         emit(k.start)
         now = k.start
         stack.append((min(k.end, stack[-1][0]) if stack else k.end, k))  # clip a child to its parent

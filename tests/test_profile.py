@@ -84,6 +84,19 @@ def test_nested_thunk_keeps_only_its_self_time():
                       (9, 10, "while.1")]
 
 
+
+def test_back_to_back_kernels_that_overlap_by_jitter_follow_each_other():
+    """GPU traces put a stream's next kernel a fraction of a microsecond before the last one ends; the
+    later kernel is not nested in the earlier one (that reading turned most of a real 1B trace into
+    idle time): each keeps its own span up to where the next begins."""
+    k = lambda name, s, t: Kernel("gpu:0", (2, 14), s, t, name, classify(name))  # noqa: E731
+    short, long_, after = k("wrapped_convert", 0.0, 10.0), k("nvjet_sm90_tst_256x128", 9.8, 330.0), \
+        k("loop_add_fusion", 329.7, 400.0)
+    pieces = [(s, t, kern.name) for s, t, kern in self_time_pieces([long_, after, short])]
+    assert pieces == [(0.0, 9.8, "wrapped_convert"), (9.8, 329.7, "nvjet_sm90_tst_256x128"),
+                      (329.7, 400.0, "loop_add_fusion")]
+
+
 # ------------------------------------------------------------------ accounting on a synthetic trace
 
 
