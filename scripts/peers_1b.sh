@@ -18,8 +18,9 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 
 maxtext() {  # $1: label
-  MT_LOG="$OUT_DIR/maxtext_$1.log" timeout 420 bash "$PEERS/maxtext/run.sh" > /dev/null 2>&1
-  grep -h "MAXTEXT_PEER:" "$OUT_DIR/maxtext_$1.log" | tail -1 | sed "s/^/[$1] /" >> "$OUT_DIR/summary.txt" \
+  # run.sh prints its MAXTEXT_PEER summary line on stdout, after the log it writes to MT_LOG.
+  MT_LOG="$OUT_DIR/maxtext_$1.log" timeout 420 bash "$PEERS/maxtext/run.sh" > "$OUT_DIR/maxtext_$1.out" 2>&1
+  grep -h "MAXTEXT_PEER:" "$OUT_DIR/maxtext_$1.out" | tail -1 | sed "s/^/[$1] /" >> "$OUT_DIR/summary.txt" \
     || echo "[$1] MAXTEXT_PEER: no result (see $OUT_DIR/maxtext_$1.log)" >> "$OUT_DIR/summary.txt"
 }
 
