@@ -119,3 +119,14 @@ def hf_tensors_of(directory: Path) -> dict:
     for f in sorted(Path(directory).glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, those of inner jaxprs (scan, remat, custom_vjp, pjit bodies) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else (v,):
+                inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    yield from all_eqns(inner)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import first_gradients, flatten, make_setup, single_device, tiny_config, train_losses
+from helpers import all_eqns, first_gradients, flatten, make_setup, single_device, tiny_config, train_losses
 from meshtrain.checkpoint import Checkpointer, abstract_state
 from meshtrain.config import ConfigError, validate
 from meshtrain.model.loss import cross_entropy_sum
@@ -30,16 +30,7 @@ FP8 = ("fp8", "fp8_delayed", "fp8_blockwise")
 
 
 def dots_of(jaxpr):
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn)
-        for v in eqn.params.values():
-            for j in v if isinstance(v, (tuple, list)) else (v,):
-                inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    out += dots_of(inner)
-    return out
+    return [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
 def test_head_gemm_returns_fp32_in_the_bf16_model():

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import make_setup, run_cli, single_device, tiny_config, train_losses
+from helpers import all_eqns, make_setup, run_cli, single_device, tiny_config, train_losses
 from meshtrain.train_step import init_state, make_batches, make_train_step
 
 
@@ -109,16 +109,8 @@ def test_padded_vocab_columns_get_no_probability():
 
 def _pallas_forward_calls(jaxpr) -> int:
     """pallas_call equations named flash_attention_fwd, at any depth of the jaxpr."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and "flash_attention_fwd" in str(eqn.params.get("name_and_src_info", eqn.params.get("name", ""))):
-            n += 1
-        for v in eqn.params.values():
-            for j in v if isinstance(v, (tuple, list)) else (v,):
-                inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    n += _pallas_forward_calls(inner)
-    return n
+    return sum(1 for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"
+               and "flash_attention_fwd" in str(e.params.get("name_and_src_info", e.params.get("name", ""))))
 
 
 @pytest.mark.parametrize("policy,fwd_calls", [("save_dots", 2), ("save_dots_attn", 1)])
