@@ -6,6 +6,7 @@ resumed with a larger `train.steps` keeps the learning rate it would have had.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from meshtrain.config import TrainConfig
@@ -29,5 +30,6 @@ def _decay_mask(params):
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    adamw = optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=_decay_mask)
+    adamw = optax.adamw(lr_schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=_decay_mask,
+                        mu_dtype=jnp.bfloat16 if t.adam_mu_dtype == "bfloat16" else None)
     return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw

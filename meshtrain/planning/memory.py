@@ -143,6 +143,9 @@ NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj"
                 "mlp_hidden": dict(F_c=1), "mlp_out": {}}
 
 
+MU_BYTES = {"float32": 4, "bfloat16": 2}
+
+
 def residual_counts(remat: str) -> dict:
     if remat in RESIDUALS:
         return RESIDUALS[remat]
@@ -199,7 +202,9 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", peak_i
     # Gradients of the whole stack live at once (the scan's stacked output); a second copy when the
     # microbatch loop accumulates them.
     grads = 4 * p_grad * (2 if lay.grad_accum > 1 else 1)
-    optimizer = 8 * p_opt  # Adam m and v (the update is computed in place of the donated state)
+    # Adam m (fp32, or bf16 with train.adam_mu_dtype) and v (fp32); the update is computed in place of
+    # the donated state.
+    optimizer = (MU_BYTES[cfg.train.adam_mu_dtype] + 4) * p_opt
 
     kept = layer_activation_bytes(cfg, lay, attention_impl)
     full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
