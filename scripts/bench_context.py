@@ -27,7 +27,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -52,21 +51,11 @@ from meshtrain.parallel.zigzag import sequence_order  # noqa: E402
 from meshtrain.sharding import make_rules  # noqa: E402
 from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step  # noqa: E402
 
+from benchtime import median_seconds, time_train_steps  # noqa: E402
+
 GIB = 2.0 ** 30
 BF16 = ["precision.compute=bfloat16", "train.global_batch=1", "train.remat=full", "run.progress=false"]
 MODELS = {"llama1b": ["model.preset=llama1b"], "llama3_8b": ["model.preset=llama3_8b"]}
-
-
-def timed(fn, *args, calls: int) -> float:
-    """Median seconds of `calls` synchronized calls after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def devices_mesh(degrees: dict[str, int]):
@@ -89,7 +78,7 @@ def attention_rows(a) -> list[dict]:
     q, k, v, do = (rnd(kk, t) for kk in keys)
     single = jax.jit(lambda q, k, v, do: jax.vjp(
         lambda q, k, v: pk.flash_attention(q, k, v, causal=True, interpret=a.tiny), q, k, v)[1](do))
-    s = timed(single, q, k, v, do, calls=a.calls)
+    s = median_seconds(single, q, k, v, do, calls=a.calls)
     rows.append(dict(part="a", name=f"flash kernel, 1 GPU, T={t}", ms=s * 1e3, tflops_per_gpu=flops(t) / s / 1e12))
 
     mesh = devices_mesh({"cp": 2})
@@ -105,7 +94,7 @@ def attention_rows(a) -> list[dict]:
                                                      cp_impl=impl, cp_layout="zigzag", rules=rules)
             return jax.vjp(attn, q, k, v)[1](do)
         compiled = jax.jit(fn).lower(q, k, v, do).compile()
-        s2 = timed(compiled, q, k, v, do, calls=a.calls)
+        s2 = median_seconds(compiled, q, k, v, do, calls=a.calls)
         per_gpu = flops(2 * t) / s2 / 2 / 1e12
         rows.append(dict(part="a", name=f"{impl} attention, cp=2, T=2x{t}", ms=s2 * 1e3, tflops_per_gpu=per_gpu,
                          vs_single=per_gpu / rows[0]["tflops_per_gpu"],
@@ -157,18 +146,8 @@ def run_steps(setup, compiled, steps: int) -> tuple[float, float]:
     """(median step seconds, last loss) of `steps` timed steps after one warm-up step."""
     batches = make_batches(setup)
     data = [batches.batch(i) for i in range(2)]
-    state = init_state(setup)
-    state, m = compiled(state, data[0])
-    jax.block_until_ready(m)
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        state, m = compiled(state, data[i % 2])
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    loss = float(m["loss"])
-    del state
-    return statistics.median(times), loss
+    run = time_train_steps(compiled, init_state(setup), data, steps, warmup=0)
+    return run.median_s, float(run.metrics["loss"])
 
 
 def device_gib() -> float | None:

@@ -111,8 +111,8 @@ def hlo_all_to_alls(compiled_text: str) -> list[str]:
 
 def measure(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
     import jax
-    import numpy as np
 
+    from benchtime import time_train_steps
     from meshtrain.config import load_config, validate, with_mesh
     from meshtrain.mesh import build_mesh
     from meshtrain.metrics import active_params, count_params, flops_per_token, memory_in_use, peak_flops
@@ -133,16 +133,8 @@ def measure(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
     step = compiled  # the timed steps run exactly what was compiled (and patched) here
     compile_s = time.perf_counter() - t0
     a2a = hlo_all_to_alls(compiled.as_text())
-    for i in range(3):
-        state, m = step(state, batch[i % 4])
-    jax.block_until_ready(m)
-    times = []
-    for i in range(a.steps):
-        t = time.perf_counter()
-        state, m = step(state, batch[i % 4])
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    dt = float(np.median(times))
+    run = time_train_steps(step, state, batch, a.steps, warmup=2)  # the first call is a third warm-up
+    state, m, times, dt = run.state, run.metrics, run.times, run.median_s
     n_params = count_params(state.params)
     n_active = active_params(n_params, cfg.model, cfg.moe)
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -159,20 +151,6 @@ def measure(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
     return rec
 
 
-def _median_ms(fn, args, steps: int) -> float:
-    import jax
-    import numpy as np
-
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
-
-
 def bench_gemm(a: argparse.Namespace, out_dir: Path) -> None:
     """The experts' grouped GEMM alone: out [M, N] = rows of group g @ W[g] (bf16, fp32 accumulation),
     forward and forward+backward (d_lhs, d_rhs), for two group-size draws: even (M/G each) and skewed
@@ -181,6 +159,7 @@ def bench_gemm(a: argparse.Namespace, out_dir: Path) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from benchtime import median_seconds
     from pallas_kernels import GroupedMatmulBlockSizes, gmm
 
     shape = "512,8,64,64" if a.tiny and a.gemm_shape == DEFAULT_GEMM_SHAPE else a.gemm_shape  # CPU: interpret
@@ -210,8 +189,8 @@ def bench_gemm(a: argparse.Namespace, out_dir: Path) -> None:
                        device=jax.devices()[0].device_kind, jax=jax.__version__)
             try:
                 outs[draw, name] = np.asarray(fwd(x, w, s), np.float32)
-                rec["fwd_ms"] = _median_ms(fwd, (x, w, s), a.steps)
-                rec["fwd_bwd_ms"] = _median_ms(fwd_bwd, (x, w, s, dy), a.steps)
+                rec["fwd_ms"] = median_seconds(fwd, x, w, s, calls=a.steps, warmup=3) * 1e3
+                rec["fwd_bwd_ms"] = median_seconds(fwd_bwd, x, w, s, dy, calls=a.steps, warmup=3) * 1e3
                 rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
                 rec["fwd_bwd_tflops"] = 3 * flops / rec["fwd_bwd_ms"] / 1e9
             except Exception as e:  # ragged_dot's dense rewrite may not fit: keep the other rows

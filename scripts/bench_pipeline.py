@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 SCHEDULES = {"afab": 1, "1f1b": 1, "interleaved": 2, "zb_h1": 1, "dualpipe_v": 2}  # kind -> virtual stages
@@ -98,17 +97,9 @@ def main() -> None:
 
 
 def median_ms(fn, *args, steps: int) -> float:
-    import jax
-    import numpy as np
+    from benchtime import median_seconds
 
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
+    return median_seconds(fn, *args, calls=steps) * 1e3
 
 
 def time_single_device(setup, a):
@@ -150,24 +141,13 @@ def time_step(setup, steps: int, need_update: bool):
     import jax
     import optax
 
+    from benchtime import time_train_steps
     from meshtrain.train_step import init_state, make_batches, make_train_step
 
-    state, step = init_state(setup), make_train_step(setup)
     batches = make_batches(setup)
-    batch = [batches.batch(i) for i in range(2)]
-    t = time.perf_counter()
-    state, metrics = step(state, batch[0])
-    jax.block_until_ready(metrics)
-    compile_s = time.perf_counter() - t
-    for i in range(2):
-        state, metrics = step(state, batch[i % 2])
-    jax.block_until_ready(metrics)
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        state, metrics = step(state, batch[i % 2])
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t)
+    run = time_train_steps(make_train_step(setup), init_state(setup), [batches.batch(i) for i in range(2)], steps,
+                           warmup=2)
+    state = run.state
     update_ms = None
     if need_update:  # the step's optimizer part, same shardings for every schedule
         def update(params, opt_state, grads):
@@ -175,8 +155,7 @@ def time_step(setup, steps: int, need_update: bool):
             return optax.apply_updates(params, updates), opt_state
 
         update_ms = median_ms(jax.jit(update), state.params, state.opt_state, state.params, steps=steps)
-    import numpy as np
-    return float(np.median(times)) * 1e3, compile_s, update_ms
+    return run.median_s * 1e3, run.first_s, update_ms
 
 
 def analyse(setup, kind, v, step_ms, update_ms, plain_ms, op_ms) -> dict:

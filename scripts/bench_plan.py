@@ -58,8 +58,8 @@ TINY_LAYOUTS = [
 def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
     """Child process: compile and time the step on the first n devices."""
     import jax
-    import numpy as np
 
+    from benchtime import time_train_steps
     from meshtrain.config import build_config
     from meshtrain.metrics import memory_in_use
     from meshtrain.planning.startup import resolve
@@ -70,20 +70,8 @@ def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
     batches = make_batches(setup)
     state, step = init_state(setup), make_train_step(setup)
     batch = [batches.batch(i) for i in range(2)]  # data off the clock
-    t0 = time.perf_counter()
-    state, m = step(state, batch[0])
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    for i in range(2):
-        state, m = step(state, batch[i % 2])
-    jax.block_until_ready(m)
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        state, m = step(state, batch[i % 2])
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    return dict(step_s=float(np.median(times)), compile_s=compile_s, loss=float(m["loss"]),
+    run = time_train_steps(step, state, batch, steps, warmup=2)
+    return dict(step_s=run.median_s, compile_s=run.first_s, loss=float(run.metrics["loss"]),
                 device=jax.devices()[0].device_kind, jax=jax.__version__, **memory_in_use())
 
 

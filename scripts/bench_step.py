@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
-import numpy as np
 
+from benchtime import time_train_steps
 from meshtrain.config import load_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
 from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
@@ -35,20 +34,8 @@ def main() -> None:
     state = init_state(setup)
     step = make_train_step(setup)
     batch = [batches.batch(i) for i in range(4)]  # data off the clock: the step alone is timed
-    t0 = time.perf_counter()
-    state, m = step(state, batch[0])
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    for i in range(3):
-        state, m = step(state, batch[i % 4])
-    jax.block_until_ready(m)
-    times = []
-    for i in range(a.steps):
-        t = time.perf_counter()
-        state, m = step(state, batch[i % 4])
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-    dt = float(np.median(times))
+    run = time_train_steps(step, state, batch, a.steps)
+    state, m, times, compile_s, dt = run.state, run.metrics, run.times, run.first_s, run.median_s
     n = count_params(state.params)
     tokens = cfg.train.global_batch * cfg.data.seq_len
     flops = flops_per_token(cfg.model, n, cfg.data.seq_len) * tokens
