@@ -132,7 +132,10 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save) \
         if use_ckpt else None
+    began = time.perf_counter()
     state, resumed = restore_or_init(setup, ckpt)
+    jax.block_until_ready(state)  # the first step would wait for it anyway; here it can be timed
+    state_s = time.perf_counter() - began
     if resumed is not None:
         setup = keep_saved_schedule(setup, ckpt.saved_config(resumed))
     start = int(state.step)
@@ -153,8 +156,8 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         where = f"resumed from step {resumed}" if resumed is not None else (
             f"initialized from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "fresh start")
         active = f" ({n_active / 1e6:.2f}M active)" if n_active != n_params else ""
-        print(f"meshtrain: {n_params / 1e6:.2f}M parameters{active}, {tokens_per_step:,} tokens/step, {where}",
-              flush=True)
+        print(f"meshtrain: {n_params / 1e6:.2f}M parameters{active}, {tokens_per_step:,} tokens/step, {where} "
+              f"(state ready in {state_s:.1f} s)", flush=True)
     log = MetricsLog(cfg.run.dir, total_steps=t.steps, first_step=start, progress=cfg.run.progress,
                      tensorboard=cfg.run.tensorboard)
 
@@ -177,6 +180,9 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
                 f"step {step_no}: {int(m['nonfinite_run'])} consecutive steps had a non-finite loss or gradient "
                 f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. Lower "
                 f"train.lr, raise train.warmup_steps, or check the data.")
+        if timer.mark is None:  # the first step is done: it compiled the step, which can take minutes
+            log.write(f"meshtrain: step {step_no} done {time.perf_counter() - timer.started:.1f} s into the loop "
+                      f"(compiling the step included)")
         if step_no % t.log_every and step_no != t.steps:
             if timer.mark is None:
                 timer.first_step_done(step_no)

@@ -82,7 +82,9 @@ def test_progress_bar_never_shares_a_line(saved_run):
     _, _, result, screen = saved_run
     assert "step/s" in screen or "it/s" in screen or "|" in screen  # the bar was drawn
     starts = [m.start() for m in re.finditer(r"meshtrain: |step +\d+ +loss", screen)]
-    assert len(starts) == 1 + len(result.records)
+    assert len(starts) == 2 + len(result.records)  # the banner, the first step's compile, the records
+    assert re.search(r"fresh start \(state ready in \d+\.\d s\)", screen)
+    assert re.search(r"meshtrain: step 1 done \d+\.\d s into the loop \(compiling the step included\)", screen)
     for i in starts:  # every line of ours begins a line: after a newline or the bar's carriage return
         assert i == 0 or screen[i - 1] in "\r\n", repr(screen[max(0, i - 60): i + 20])
 
