@@ -251,6 +251,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
     wall = t1 - t0
     rows, hidden = defaultdict(float), defaultdict(float)
     split_idle = all(d in executions for d in devices)
+    idle_of = {}
     for d in devices:
         r, h = account_device(per_device[d])
         for c, v in r.items():
@@ -258,7 +259,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
         for c, v in h.items():
             hidden[c] += v
         busy = _union([(s, t) for s, t, _ in per_device[d]])
-        idle = _gaps(busy, t0, t1)
+        idle = idle_of[d] = _gaps(busy, t0, t1)
         if split_idle:
             within = _overlap(idle, _union(executions[d]))
             rows["idle_within"] += within
@@ -266,7 +267,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
         else:
             rows["idle"] += sum(t - s for s, t in idle)
 
-    gap_report = idle_gaps(per_device[devices[0]], t0, t1)
+    gap_report = idle_gaps(per_device[devices[0]], idle_of[devices[0]], t0)
     n_dev = len(devices)
     step_nums = {int(m["args"]["step_num"]) for m in markers}
     if steps:
@@ -318,13 +319,14 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
 GAP_BINS_US = (10.0, 100.0, 1000.0)  # launch-sized, host-sized, stall-sized gaps
 
 
-def idle_gaps(pieces: list[tuple[float, float, Kernel]], t0: float, t1: float, top: int = 8) -> dict[str, Any]:
-    """Where one device's idle time lies: its gaps binned by length, and the longest gaps with the
-    kernels on either side. Many short gaps point at launch overhead (small kernels, the host feeding
-    them one by one); a few long ones at a synchronization or a host-side wait."""
+def idle_gaps(pieces: list[tuple[float, float, Kernel]], idle: list[tuple[float, float]], t0: float,
+              top: int = 8) -> dict[str, Any]:
+    """Where one device's idle time (`idle`, its gaps in the window from t0) lies: the gaps binned by
+    length, and the longest with the kernels on either side. Many short gaps point at launch overhead
+    (small kernels, the host feeding them one by one); a few long ones at a synchronization or a
+    host-side wait."""
     ordered = sorted(pieces, key=lambda p: p[0])
-    busy = _union([(s, t) for s, t, _ in ordered])
-    gaps = [(s, t) for s, t in _gaps(busy, t0, t1) if t > s]
+    gaps = [(s, t) for s, t in idle if t > s]
     edges = (0.0, *GAP_BINS_US, float("inf"))
     bins = []
     for lo, hi in zip(edges, edges[1:]):

@@ -180,14 +180,15 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
                 f"step {step_no}: {int(m['nonfinite_run'])} consecutive steps had a non-finite loss or gradient "
                 f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. Lower "
                 f"train.lr, raise train.warmup_steps, or check the data.")
-        if timer.mark is None:  # the first step is done: it compiled the step, which can take minutes
+        first = timer.mark is None  # nothing finished before: this step compiled, which can take minutes
+        if first:
             log.write(f"meshtrain: step {step_no} done {time.perf_counter() - timer.started:.1f} s into the loop "
                       f"(compiling the step included)")
         if step_no % t.log_every and step_no != t.steps:
-            if timer.mark is None:
+            if first:
                 timer.first_step_done(step_no)
             return
-        includes_compile = timer.mark is None  # nothing finished before: this interval compiled the step
+        includes_compile = first
         dt, paused_s = timer.seconds_per_step(step_no)
         rec = dict(step=step_no, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]), lr=float(m["lr"]),
                    tokens_per_s=tokens_per_step / dt, step_time_s=dt,

@@ -32,11 +32,6 @@ def fused_attention_forward(prim, *_, **params) -> bool:
     return False
 
 
-def _save_dots_attn(prim, *args, **params) -> bool:
-    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
-            or fused_attention_forward(prim, *args, **params))
-
-
 def remat_policy(name: str):
     """The jax.checkpoint policy for `name`, or None when the block is not rematerialized at all."""
     cp = jax.checkpoint_policies
@@ -47,7 +42,7 @@ def remat_policy(name: str):
     if name == "save_dots":
         return cp.dots_with_no_batch_dims_saveable
     if name == "save_dots_attn":
-        return _save_dots_attn
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, fused_attention_forward)
     if name == "save_attn":
         return cp.save_only_these_names("qkv", "attn_out")
     if name.startswith("names:"):

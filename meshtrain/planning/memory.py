@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from meshtrain.config import Config, padded_vocab
 
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
-COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by config dtype name
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,6 @@ NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj"
                 "mlp_hidden": dict(F_c=1), "mlp_out": {}}
 
 
-MU_BYTES = {"float32": 4, "bfloat16": 2}
-
 
 def residual_counts(remat: str) -> dict:
     if remat in RESIDUALS:
@@ -159,7 +157,7 @@ def residual_counts(remat: str) -> dict:
 def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat: str | None = None) -> float:
     """Bytes one layer keeps for the backward pass, per microbatch, per device."""
     m, g = cfg.model, lay.degrees
-    c = COMPUTE_BYTES[cfg.precision.compute]
+    c = DTYPE_BYTES[cfg.precision.compute]
     counts = residual_counts(lay.remat if remat is None else remat)
     tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
     b = lay.micro_batch / (g["dp"] * g["fsdp"])
@@ -204,14 +202,14 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", peak_i
     grads = 4 * p_grad * (2 if lay.grad_accum > 1 else 1)
     # Adam m (fp32, or bf16 with train.adam_mu_dtype) and v (fp32); the update is computed in place of
     # the donated state.
-    optimizer = (MU_BYTES[cfg.train.adam_mu_dtype] + 4) * p_opt
+    optimizer = (DTYPE_BYTES[cfg.train.adam_mu_dtype] + 4) * p_opt
 
     kept = layer_activation_bytes(cfg, lay, attention_impl)
     full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
     layers_here = cfg.model.n_layers / g["pp"]
     in_flight = peak_in_flight if peak_in_flight is not None else 1
     m = cfg.model
-    c = COMPUTE_BYTES[cfg.precision.compute]
+    c = DTYPE_BYTES[cfg.precision.compute]
     n = lay.micro_batch / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
     v = padded_vocab(m, g["tp"]) / g["tp"]
     # Around the stack: fp32 logits and exp kept for the loss gradient, the label mask, the final norm

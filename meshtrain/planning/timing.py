@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from meshtrain.config import Config
 from meshtrain.metrics import flops_per_token
-from meshtrain.planning.memory import COMPUTE_BYTES, Layout, param_count
+from meshtrain.planning.memory import DTYPE_BYTES, Layout, param_count
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def comm_bytes(cfg: Config, lay: Layout) -> dict[str, float]:
     out["dp"] = 2 * ring(g["dp"]) * 4 * p_local
     if g["fsdp"] > 1:
         out["fsdp"] = (3 if lay.zero_stage >= 3 else 2) * ring(g["fsdp"]) * 4 * p_local
-    c = COMPUTE_BYTES[cfg.precision.compute]
+    c = DTYPE_BYTES[cfg.precision.compute]
     tokens = lay.micro_batch * lay.grad_accum / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
     layers = m.n_layers / g["pp"]
     if g["tp"] > 1:
