@@ -39,9 +39,13 @@ TINY = ["model.preset=tiny", "data.seq_len=64", "train.global_batch=4", "model.a
         "model.scan_layers=true", "mesh.fsdp=-1"]
 
 
-def phase(what: str, t0: float) -> None:
-    """A progress line the parent keeps if this process runs out of time (which phase was too slow)."""
-    print(f"PHASE {what} at {time.perf_counter() - t0:.1f} s", flush=True)
+T_START = time.perf_counter()  # the child's start: phases are timed from here
+
+
+def phase(what: str) -> None:
+    """A progress line the parent keeps (in the record, or in the error if this process runs out of time):
+    where a slow start-up goes."""
+    print(f"PHASE {what} at {time.perf_counter() - T_START:.1f} s", flush=True)
 
 
 def one_run(a) -> dict:
@@ -51,6 +55,9 @@ def one_run(a) -> dict:
     xla_flags.apply(a.recipe)  # as `python -m meshtrain.run` does, before jax starts its backend
     import jax
     import numpy as np
+
+    jax.devices()  # starts the backend
+    phase("backend up")
 
     from meshtrain.config import load_config, validate, with_mesh
     from meshtrain.gemm_report import gemm_report
@@ -71,14 +78,16 @@ def one_run(a) -> dict:
     cfg = with_mesh(cfg, degrees)
     setup = build_setup(cfg, build_mesh(degrees))
     batches = make_batches(setup)
-    state = init_state(setup)
+    phase("setup built")
+    state = jax.block_until_ready(init_state(setup))
+    phase("state ready (init compiled and run)")
     step = make_train_step(setup)
     t0 = time.perf_counter()
     lowered = step.lower(state, batches.batch(0))
-    phase("lowered", t0)
+    phase("step lowered")
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
-    phase("compiled", t0)
+    phase("step compiled")
     hlo = compiled.as_text()
     gemms = gemm_report(hlo)
     out_dir = Path(a.out)
@@ -92,7 +101,7 @@ def one_run(a) -> dict:
         losses.append(float(m["loss"]))  # synchronizes: each step is timed alone
         times.append(time.perf_counter() - t)
         if i in (0, 3):
-            phase(f"step {i} done", t0)
+            phase(f"step {i} done")
     timed = times[4:] if len(times) > 4 else times
     dt = statistics.median(timed)
     n = count_params(state.params)
@@ -205,6 +214,7 @@ def main() -> int:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
                 line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 rec = json.loads(line[-1][7:]) if line else dict(shape=shape, recipe=recipe, error=p.stderr[-2000:])
+                rec["phases"] = [ln[6:] for ln in p.stdout.splitlines() if ln.startswith("PHASE ")]
             except subprocess.TimeoutExpired as e:
                 child_out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
                 phases = [ln[6:] for ln in child_out.splitlines() if ln.startswith("PHASE ")]
@@ -212,9 +222,12 @@ def main() -> int:
                            f"{phases[-1] if phases else 'none (still building or lowering)'}")
             rec["wall_s"] = time.time() - t0
             runs.append(rec)
+            (out / "results.json").write_text(json.dumps(dict(runs=runs, gemm=[]), indent=1))  # kept if cut short
             status = rec.get("error", "")[-300:] or (f"step {rec['step_ms']:.1f} ms, loss {rec['loss_last']:.4f}, "
                                                      f"gemms {rec['gemms']}")
             print(f"[{shape} {recipe}] {rec['wall_s']:.0f}s {status}", flush=True)
+            if rec.get("phases"):
+                print(f"    phases: {'; '.join(rec['phases'])}", flush=True)
     gemm_rows = [] if a.no_gemm else gemm_bench(a)
     (out / "results.json").write_text(json.dumps(dict(runs=runs, gemm=gemm_rows), indent=1))
     md = table(runs, gemm_rows)
