@@ -24,7 +24,7 @@ from meshtrain.config import Config, fp8_exclude_patterns, padded_vocab
 from meshtrain.data import Batch, Batches
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.model.moe import LOSSES, METRICS
-from meshtrain.model.transformer import Decoder
+from meshtrain.model.transformer import Decoder, init_variables
 from meshtrain.optim import lr_schedule, make_optimizer
 from meshtrain.precision import Precision, update_loss_scale
 from meshtrain.sharding import ZeroLayout, make_rules, replicated
@@ -120,11 +120,11 @@ def make_batches(setup: Setup, split: str = "train") -> Batches:
 
 
 def init_state(setup: Setup) -> TrainState:
-    """Parameters drawn from `train.seed`, created already sharded (identical on any mesh)."""
+    """Parameters drawn from `train.seed`, created already sharded (identical on any mesh, scanned or not)."""
 
     def init(key):
         tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
-        variables = nn.unbox(setup.model.init(key, tokens, tokens, tokens))
+        variables = init_variables(setup.model, key, tokens)
         return fresh_state(setup, variables["params"], _model_state(variables))
 
     return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
@@ -144,7 +144,7 @@ def state_from_params(setup: Setup, params: Any) -> TrainState:
         # The model state (fp8 amax histories) starts as a fresh run's; the unused parameter init is
         # dead code that the compiler drops.
         tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
-        variables = nn.unbox(setup.model.init(jax.random.key(0), tokens, tokens, tokens))
+        variables = init_variables(setup.model, jax.random.key(0), tokens)
         return fresh_state(setup, p, _model_state(variables))
 
     return jax.jit(state, out_shardings=setup.state_shardings)(params)

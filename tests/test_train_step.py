@@ -82,6 +82,33 @@ def test_unscanned_layers_train():
     assert losses[-1] < losses[0] - 0.1
 
 
+@pytest.mark.parametrize("extra, every", [(["precision.matmul=fp8_delayed"], 1),
+                                          (["model.preset=tiny_moe", "model.n_layers=4", "moe.every=2"], 2)],
+                         ids=["dense-fp8-histories", "moe-every-2"])
+def test_unrolled_layers_start_from_the_scanned_init(extra, every):
+    """scan_layers changes the program, not the numbers: unrolled layer i holds the scanned stack's slice i
+    (with MoE groups: member i % every of group i // every), in the tree the unrolled model declares."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    scanned = init_state(make_setup(single_device(tiny_config(*extra)), 1))
+    setup = make_setup(single_device(tiny_config("model.scan_layers=false", *extra)), 1)
+    unrolled = init_state(setup)
+    z = jnp.zeros((2, 16), jnp.int32)
+    declared = nn.unbox(jax.eval_shape(lambda: setup.model.init(jax.random.key(0), z, z, z)))
+    for name, tree in (("params", unrolled.params), ("fp8_meta", unrolled.model_state.get("fp8_meta"))):
+        if tree is None:
+            continue
+        assert jax.tree.structure(tree) == jax.tree.structure(declared[name])
+        jax.tree.map(lambda got, want: np.testing.assert_equal(got.shape, want.shape), tree, declared[name])
+        stacked = scanned.params if name == "params" else scanned.model_state[name]
+        n_layers = setup.cfg.model.n_layers
+        for i in range(n_layers):
+            want = stacked["layers"] if every == 1 else stacked["layers"][f"layer_{i % every}"]
+            jax.tree.map(lambda got, w, i=i: np.testing.assert_array_equal(got, w[i // every]),
+                         tree["layers"][f"layer_{i}"], want)
+    np.testing.assert_array_equal(unrolled.params["embedding"], scanned.params["embedding"])
+
+
 def test_padded_vocab_is_announced(tmp_path):
     out = run_cli("model.vocab_size=125", "train.steps=2", f"run.dir={tmp_path}").stdout
     assert "model.vocab_size=125 padded to 126" in out

@@ -17,6 +17,7 @@ heads, K kv heads, E head dim, F ffn, V (padded) vocabulary, L layers.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import flax.linen as nn
@@ -158,6 +159,32 @@ def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, *, n_
         return scan(block, length=n_layers)(cfg, policy, rules, document_mask, decode, moe)
     return scan(UnrolledStack, length=n_layers // moe.every)(block, cfg, policy, rules, moe.every, document_mask,
                                                              decode, moe)
+
+
+def unrolled_layers(stacked: dict, n_layers: int, every: int = 1) -> dict:
+    """A scanned stack's `layers` subtree (leaves [L, ...], or with MoE groups `layer_j` leaves [L/every, ...])
+    -> the same values named as the unrolled stack names them: `layer_i` is slice i (or group i // every,
+    member i % every)."""
+    if every == 1:
+        return {f"layer_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n_layers)}
+    # Members a collection lacks stay absent (only the MoE member sows the router losses).
+    return {f"layer_{g * every + int(member.removeprefix('layer_'))}": jax.tree.map(lambda x, g=g: x[g], tree)
+            for member, tree in stacked.items() for g in range(n_layers // every)}
+
+
+def init_variables(model: "Decoder", key: jax.Array, tokens_bt: jax.Array) -> dict:
+    """`model.init`'s variables (unboxed), drawn through the scanned stack even when the model unrolls its
+    layers, then renamed: the numbers do not depend on `scan_layers`, and the compiler sees one scan body
+    instead of a random-number kernel for every parameter of every layer (an unrolled 1B model's init
+    took longer to compile than its train step)."""
+    cfg = model.cfg
+    scanned = model if cfg.scan_layers else model.clone(cfg=dataclasses.replace(cfg, scan_layers=True))
+    variables = nn.unbox(scanned.init(key, tokens_bt, tokens_bt, tokens_bt))
+    if cfg.scan_layers:
+        return variables
+    every = model.moe.every if model.moe is not None and model.moe.enabled else 1
+    return {name: {**tree, "layers": unrolled_layers(tree["layers"], cfg.n_layers, every)} if "layers" in tree
+            else tree for name, tree in variables.items()}
 
 
 class Decoder(nn.Module):
