@@ -5,6 +5,8 @@ prints the table last.
   PYTHONPATH=. python scripts/bench_fp8.py --out DIR --shapes 1b             # 4 runs + the GEMM benchmark
   PYTHONPATH=. python scripts/bench_fp8.py --out DIR --shapes 8b --no-gemm    # 4 runs
   PYTHONPATH=. python scripts/bench_fp8.py --out DIR --tiny --steps 5         # CPU smoke run, tiny shapes
+  PYTHONPATH=. python scripts/bench_fp8.py --out DIR --shapes ''              # the GEMM benchmark alone
+  ... --profile 40:43                    # also a time-by-category table of steps 40-42 of every run
 
 Estimated ~70 s per (shape, recipe) run on one H100 at --steps 100 (process start, ~20 s compile, 104 steps
 of ~0.3 s), so one shape per call stays within 8 minutes; both shapes in one call need --steps 40.
@@ -23,6 +25,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,7 +65,9 @@ def one_run(a) -> dict:
     from meshtrain.config import load_config, validate, with_mesh
     from meshtrain.gemm_report import gemm_report
     from meshtrain.mesh import build_mesh
+    from meshtrain.config import profile_range
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
+    from meshtrain.profile_table import STEP_MARKER, format_table, profile_report
     from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
 
     path, overrides = SHAPES[a.shape]
@@ -94,15 +99,29 @@ def one_run(a) -> dict:
     with gzip.open(out_dir / f"hlo_{a.shape}_{a.recipe}.txt.gz", "wt") as f:
         f.write(hlo)
     mem = compiled.memory_analysis()
+    window = profile_range(a.profile) if a.profile else (steps_total, steps_total)
+    trace_dir = out_dir / f"trace_{a.shape}_{a.recipe}"
     times, losses = [], []
     for i in range(steps_total):
+        if i == window[0]:
+            jax.profiler.start_trace(str(trace_dir))
         t = time.perf_counter()
-        state, m = compiled(state, batches.batch(i))
+        with jax.profiler.StepTraceAnnotation(STEP_MARKER, step_num=i):
+            state, m = compiled(state, batches.batch(i))
         losses.append(float(m["loss"]))  # synchronizes: each step is timed alone
         times.append(time.perf_counter() - t)
+        if i + 1 == window[1]:
+            jax.profiler.stop_trace()
         if i in (0, 3):
             phase(f"step {i} done")
-    timed = times[4:] if len(times) > 4 else times
+    # Traced steps run slower (the profiler's own work) and stay out of the median.
+    timed = [t for i, t in enumerate(times) if i >= 4 and not window[0] <= i < window[1]] or times
+    profile = None
+    if a.profile:
+        report = profile_report(trace_dir)
+        profile = dict(steps=a.profile, table=format_table(report), categories=report["categories"],
+                       top_kernels=report["top_kernels"])
+        shutil.rmtree(trace_dir)  # the table is what comes back; a trace is tens of MB
     dt = statistics.median(timed)
     n = count_params(state.params)
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -113,6 +132,7 @@ def one_run(a) -> dict:
                 mfu_bf16_peak=flops / dt / peak if peak else None, loss_first=losses[0], loss_last=losses[-1],
                 steps=steps_total, nonfinite=int(not np.isfinite(losses[-1])),
                 temp_gib=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30 if mem else None, gemms=gemms,
+                profile=profile,
                 device=jax.devices()[0].device_kind, jax=jax.__version__, **memory_in_use())
 
 
@@ -193,8 +213,15 @@ def main() -> int:
     ap.add_argument("--batch-8b", type=int, default=2)
     ap.add_argument("--no-gemm", action="store_true", help="skip the single-GEMM micro-benchmark")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per (shape, recipe) process")
+    ap.add_argument("--profile", metavar="START:END", help="trace these steps of every run (kept out of the "
+                    "median) and add the time-by-category table (meshtrain.profile_table) to its record")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.profile:
+        lo, _, hi = a.profile.partition(":")
+        if not (lo.isdigit() and hi.isdigit() and 4 <= int(lo) < int(hi) <= a.steps + 4):
+            ap.error(f"--profile {a.profile}: give START:END with 4 <= START < END <= steps + 4 = {a.steps + 4} "
+                     f"(the first 4 steps are warm-up)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.tiny:
@@ -205,10 +232,11 @@ def main() -> int:
         return 0
 
     runs = []
-    for shape in a.shapes.split(","):
+    for shape in [s for s in a.shapes.split(",") if s]:  # --shapes '': the GEMM benchmark alone
         for recipe in a.recipes.split(","):
             cmd = [sys.executable, __file__, "--out", a.out, "--one", shape, recipe, "--steps", str(a.steps),
-                   "--layers-8b", str(a.layers_8b), "--batch-8b", str(a.batch_8b)] + (["--tiny"] if a.tiny else [])
+                   "--layers-8b", str(a.layers_8b), "--batch-8b", str(a.batch_8b)] + (["--tiny"] if a.tiny else []) \
+                + (["--profile", a.profile] if a.profile else [])
             t0 = time.time()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -228,6 +256,8 @@ def main() -> int:
             print(f"[{shape} {recipe}] {rec['wall_s']:.0f}s {status}", flush=True)
             if rec.get("phases"):
                 print(f"    phases: {'; '.join(rec['phases'])}", flush=True)
+            if rec.get("profile"):
+                print(rec["profile"]["table"], flush=True)
     gemm_rows = [] if a.no_gemm else gemm_bench(a)
     (out / "results.json").write_text(json.dumps(dict(runs=runs, gemm=gemm_rows), indent=1))
     md = table(runs, gemm_rows)
