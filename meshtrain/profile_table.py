@@ -236,7 +236,7 @@ def account_device(pieces: list[tuple[float, float, Kernel]]) -> tuple[dict[str,
 
 
 def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, float]]], markers: list[dict],
-              steps: int | None = None) -> dict[str, Any]:
+              steps: int | None = None, top_kernels: int = 10) -> dict[str, Any]:
     if not kernels:
         raise ValueError("the trace holds no device kernels or XLA ops: was any step run while it was recording?")
     by_thread = defaultdict(list)
@@ -301,7 +301,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
     if not counts.get("optimizer"):
         notes.append("optimizer: no kernel is named as one in this trace; its update is counted in "
                      "norm/elementwise")
-    top = sorted(self_us.items(), key=lambda kv: -kv[1])[:10]
+    top = sorted(self_us.items(), key=lambda kv: -kv[1])[:top_kernels]
     host = {}
     if len(markers) > 1:
         starts = sorted(float(m["ts"]) for m in markers)
@@ -393,9 +393,9 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def profile_report(path: str | Path, steps: int | None = None) -> dict[str, Any]:
+def profile_report(path: str | Path, steps: int | None = None, top_kernels: int = 10) -> dict[str, Any]:
     trace = find_trace(path)
-    report = summarize(*read_trace(load_events(trace)), steps=steps)
+    report = summarize(*read_trace(load_events(trace)), steps=steps, top_kernels=top_kernels)
     return dict(trace=str(trace), **report)
 
 
