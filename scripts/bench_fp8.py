@@ -80,7 +80,7 @@ def one_run(a) -> dict:
     if a.data:
         overrides += ["data.source=file", f"data.path={a.data}"]
     steps_total = a.steps + 4
-    overrides += [f"precision.matmul={a.recipe}", f"train.steps={steps_total}", "run.progress=false"]
+    overrides += [f"precision.matmul={a.recipe}", f"train.steps={steps_total}", "run.progress=false", *a.overrides]
     cfg = load_config(path, overrides)
     degrees = validate(cfg, jax.device_count())
     cfg = with_mesh(cfg, degrees)
@@ -110,7 +110,7 @@ def one_run(a) -> dict:
     edges = sorted({*range(0, 5), *range(4, steps_total, a.block), *window, steps_total} & set(range(steps_total + 1)))
     blocks, losses = [], []
     for lo, hi in zip(edges, edges[1:]):
-        if lo == window[0]:
+        if a.profile and lo == window[0]:
             jax.profiler.start_trace(str(trace_dir))
         t = time.perf_counter()
         pending = []
@@ -120,7 +120,7 @@ def one_run(a) -> dict:
             pending.append(m["loss"])
         losses += [float(x) for x in pending]  # waits for the block's last step
         blocks.append((lo, hi, (time.perf_counter() - t) / (hi - lo)))
-        if hi == window[1]:
+        if a.profile and hi == window[1]:
             jax.profiler.stop_trace()
         if hi in (1, 4):
             phase(f"step {hi - 1} done")
@@ -228,6 +228,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per (shape, recipe) process")
     ap.add_argument("--profile", metavar="START:END", help="trace these steps of every run (kept out of the "
                     "median) and add the time-by-category table (meshtrain.profile_table) to its record")
+    ap.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. "
+                    "precision.fp8_exclude=embedding,*router (lm_head in fp8)")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.profile:
@@ -250,7 +252,7 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--out", a.out, "--one", shape, recipe, "--steps", str(a.steps),
                    "--layers-8b", str(a.layers_8b), "--batch-8b", str(a.batch_8b), "--block", str(a.block)] \
                 + (["--tiny"] if a.tiny else []) + (["--profile", a.profile] if a.profile else []) \
-                + (["--data", a.data] if a.data else [])
+                + (["--data", a.data] if a.data else []) + a.overrides
             t0 = time.time()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
