@@ -73,6 +73,22 @@ def _t(a: jax.Array) -> jax.Array:
     return jnp.swapaxes(a, -1, -2)
 
 
+def _wide(dtype) -> jnp.dtype:
+    """The dtype an fp8 GEMM writes for a result wanted in `dtype`: `dtype` itself when it has fp32's
+    exponent range (bf16, fp32), so the unscaled product and its power-of-two rescale fit it exactly;
+    fp32 for fp16, whose range neither fits (the result is rounded to fp16 after the rescale)."""
+    dtype = jnp.dtype(dtype)
+    return dtype if jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp else jnp.dtype(jnp.float32)
+
+
+def _scaled_nt(a: jax.Array, b: jax.Array, scale: jax.Array, out_dtype) -> jax.Array:
+    """scale * (a . b^T) in `out_dtype`. The GEMM writes the result in the dtype it is wanted in where
+    that is exact (`_wide`), and XLA folds the scale into the GEMM: an fp32 result only to be rounded
+    afterwards would double the bytes written and add a pass that reads them again."""
+    gemm = _wide(out_dtype)
+    return (_dot_nt(a, b, gemm) * scale.astype(gemm)).astype(out_dtype)
+
+
 def _dot_nt(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     """a [*B, P, C] . b [*B, Q, C]^T -> [*B, P, Q]: both operands contract on their last dim."""
     batch = tuple(range(a.ndim - 2))
@@ -111,7 +127,7 @@ def _per_tensor_fwd(x, w, meta, dtypes):
     out_dtype = dtypes[0]
     sx, sw = _tensor_scales(x, w, meta)
     xq_mk, wq_kn = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
-    y = (_dot_nt(xq_mk, _t(wq_kn), out_dtype) * (sx * sw)).astype(out_dtype)
+    y = _scaled_nt(xq_mk, _t(wq_kn), sx * sw, out_dtype)
     # Saved in fp8 (half of bf16), already laid out for the backward GEMMs.
     res = (_t(xq_mk), wq_kn, sx, sw, meta, amax(x), amax(w))
     return y, res
@@ -123,8 +139,8 @@ def _per_tensor_bwd(dtypes, res, g):
     amax_g = amax(g)
     sg = pow2_scale(amax_g if meta is None else jnp.max(meta["g"]), E5M2)
     gq_mn = quantize(g, sg, E5M2)
-    dx = (_dot_nt(gq_mn, wq_kn, jnp.float32) * (sg * sw)).astype(x_dtype)
-    dw = (_dot_nt(xq_km, _t(gq_mn), jnp.float32) * (sx * sg)).astype(w_dtype)
+    dx = _scaled_nt(gq_mn, wq_kn, sg * sw, x_dtype)
+    dw = _scaled_nt(xq_km, _t(gq_mn), sx * sg, w_dtype)
     new_meta = None if meta is None else {
         "x": push_history(meta["x"], amax_x), "w": push_history(meta["w"], amax_w),
         "g": push_history(meta["g"], amax_g)}

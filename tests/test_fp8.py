@@ -231,6 +231,33 @@ def test_gemm_operands_are_e4m3_forward_e5m2_backward_and_k_major(recipe):
         assert (tuple(ca), tuple(cb)) == ((nda - 1,), (ndb - 1,)) and not ba and not bb
 
 
+@pytest.mark.parametrize("compute, want", [("bfloat16", ["bfloat16", "bfloat16", "float32"]),  # y, dx, dw
+                                            ("float16", ["float32", "float32", "float32"])])
+def test_fp8_gemms_write_the_dtype_their_result_is_wanted_in(compute, want):
+    """y and dx leave the GEMM in the compute dtype and dw in the fp32 master's, with the power-of-two
+    scale applied after: no fp32 result written only to be rounded. fp16 cannot hold the unscaled
+    product (range), so there every GEMM writes fp32."""
+    policy = Precision.from_names(compute, matmul="fp8")
+    x, w = jnp.ones((2, 8, 256), compute), jnp.ones((256, 4, 64), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(policy.einsum("btd,dhe->bthe", x, w, site="attn.wq").astype(jnp.float32))
+
+    def gemm_results(jaxpr):  # (lhs dtype, result dtype) of every dot on fp8 operands
+        out = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and eqn.invars[0].aval.dtype.itemsize == 1:
+                out.append((str(eqn.invars[0].aval.dtype), str(eqn.outvars[0].aval.dtype)))
+            for sub in subjaxprs(eqn):
+                out += gemm_results(sub)
+        return out
+
+    found = gemm_results(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr)
+    y_or_dw = sorted(r for lhs, r in found if lhs == "float8_e4m3fn")  # lhs x (forward) or x^T (dw)
+    dx = [r for lhs, r in found if lhs == "float8_e5m2"]  # lhs g
+    assert (y_or_dw, dx) == (sorted([want[0], want[2]]), [want[1]]), found
+
+
 def test_blockwise_backward_rounds_gradients_through_e5m2():
     jaxpr = grad_jaxpr("fp8_blockwise")
     # dx's gradient tiles along N, dw's along M: two e5m2 roundings of g; x twice and w once in e4m3.
