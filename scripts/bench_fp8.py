@@ -8,17 +8,20 @@ prints the table last.
   PYTHONPATH=. python scripts/bench_fp8.py --out DIR --shapes ''              # the GEMM benchmark alone
   ... --profile 40:43                    # also a time-by-category table of steps 40-42 of every run
 
-Estimated ~70 s per (shape, recipe) run on one H100 at --steps 100 (process start, ~20 s compile, 104 steps
-of ~0.3 s), so one shape per call stays within 8 minutes; both shapes in one call need --steps 40.
+Measured on one H100 (2026-11-25, --steps 96): a 1B run takes 60-135 s (state ready after ~10 s, the
+unrolled step compiles in 20-35 s for bf16 and 40-85 s for the fp8 recipes), an 8B-shaped run 40-55 s;
+one shape per device call stays within 8 minutes with the default --timeout.
 
 Shapes: `1b` is configs/llama1b_h100.yaml (24 layers, d_model 2048, seq 2048, batch 8); `8b` is a Llama-3-8B
 stack cut to --layers-8b layers (d_model 4096, 32/8 heads, ffn 14336, vocab 128256, seq 4096, batch
---batch-8b) so that it fits one GPU with fp32 master weights and Adam. Every (shape, recipe) runs in its own
-process, so peak memory is its own and an OOM loses one row. Timing: compile, 4 warm-up steps, then
---steps steps dispatched back to back as the trainer runs them, in blocks of --block steps each timed from
-its first dispatch to its last result; the step time is the median over blocks (DESIGN.md §8). The loss
-is the one after --steps + 4 steps on the same data for every recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO
-(meshtrain/gemm_report.py): fp8 GEMMs, how many are K-major, bf16 GEMMs left.
+--batch-8b) so that it fits one 80 GB GPU with fp32 master weights and Adam. Every (shape, recipe) runs in
+its own process, so peak memory is its own and an OOM loses one row.
+
+Timing: compile, 4 warm-up steps, then --steps steps dispatched back to back as the trainer runs them, in
+blocks of --block steps each timed from its first dispatch to its last result; the step time is the
+median over blocks (DESIGN.md §8). The loss is the one after --steps + 4 steps on the same data for every
+recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (meshtrain/gemm_report.py): fp8
+GEMMs, how many are K-major, bf16 GEMMs left.
 """
 from __future__ import annotations
 
@@ -219,13 +222,13 @@ def main() -> int:
     ap.add_argument("--shapes", default="1b,8b")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--steps", type=int, default=100, help="timed steps; the loss is reported after steps + 4")
-    ap.add_argument("--layers-8b", type=int, default=8)
+    ap.add_argument("--layers-8b", type=int, default=10)
     ap.add_argument("--batch-8b", type=int, default=2)
     ap.add_argument("--block", type=int, default=8, help="steps dispatched back to back per timed block")
     ap.add_argument("--data", metavar="TOKENS", help="train on this token file (data.source=file, uint16) "
                     "instead of the synthetic chain, whose 128k-token table the 8B shape cannot learn in 100 steps")
     ap.add_argument("--no-gemm", action="store_true", help="skip the single-GEMM micro-benchmark")
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per (shape, recipe) process")
+    ap.add_argument("--timeout", type=int, default=190, help="seconds per (shape, recipe) process")
     ap.add_argument("--profile", metavar="START:END", help="trace these steps of every run (kept out of the "
                     "median) and add the time-by-category table (meshtrain.profile_table) to its record")
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. "
