@@ -66,10 +66,9 @@ def one_run(a) -> dict:
     jax.devices()  # starts the backend
     phase("backend up")
 
-    from meshtrain.config import load_config, validate, with_mesh
+    from meshtrain.config import load_config, profile_range, validate, with_mesh
     from meshtrain.gemm_report import gemm_report
     from meshtrain.mesh import build_mesh
-    from meshtrain.config import profile_range
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
     from meshtrain.profile_table import STEP_MARKER, format_table, profile_report
     from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
@@ -110,7 +109,8 @@ def one_run(a) -> dict:
     # Steps run as the trainer runs them, dispatched back to back, so the host's dispatch and the next
     # batch overlap the device's work; each block of --block steps is timed from its first dispatch to
     # its last result. The warm-up steps and the profiled window are blocks of their own.
-    edges = sorted({*range(0, 5), *range(4, steps_total, a.block), *window, steps_total} & set(range(steps_total + 1)))
+    edges = sorted({*range(0, 5), *range(4, steps_total, a.block), *window, steps_total}
+                   & set(range(steps_total + 1)))
     blocks, losses = [], []
     for lo, hi in zip(edges, edges[1:]):
         if a.profile and lo == window[0]:
@@ -141,7 +141,8 @@ def one_run(a) -> dict:
     flops = flops_per_token(cfg.model, n, cfg.data.seq_len) * tokens
     peak = peak_flops(jax.devices()[0])
     return dict(shape=a.shape, recipe=a.recipe, params=n, layers=cfg.model.n_layers, tokens_per_step=tokens,
-                compile_s=compile_s, step_ms=dt * 1e3, step_ms_min=min(timed) * 1e3, block=a.block, tokens_per_s=tokens / dt,
+                compile_s=compile_s, step_ms=dt * 1e3, step_ms_min=min(timed) * 1e3, block=a.block,
+                tokens_per_s=tokens / dt,
                 mfu_bf16_peak=flops / dt / peak if peak else None, loss_first=losses[0], loss_last=losses[-1],
                 steps=steps_total, nonfinite=int(not np.isfinite(losses[-1])),
                 temp_gib=getattr(mem, "temp_size_in_bytes", 0) / 2 ** 30 if mem else None, gemms=gemms,
