@@ -21,7 +21,8 @@ to exactly one row, so the rows add up to the window:
 A collective running while a compute kernel runs on the same device (another stream) is hidden: it
 costs no time in that table and is reported beside it, with the exposed rest. Times are per device
 (the mean over devices). Kernels are classified by RULES (first match, on the kernel name and its
-hlo_op): extend it there.
+hlo_op): extend it there. Where the traced program's HLO lies beside the trace (PROGRAM_FILE, written by
+`run.profile_steps`), kernels under the step's `optimizer` scope count as optimizer.
 """
 from __future__ import annotations
 
@@ -67,12 +68,37 @@ DEVICE_PROCESS = re.compile(r"/device:([A-Za-z]+):(\d+)")
 DERIVED_LINE = re.compile(r"^(XLA Modules|XLA Ops|Async XLA Ops|XLA TraceMe|Steps|TensorFlow|Framework|"
                           r"Source code|Launch Stats|SparseCore)", re.I)
 STEP_MARKER = "train_step"  # meshtrain/profiler.py's host annotation around each traced step
+PROGRAM_FILE = "step.hlo.txt"  # meshtrain/profiler.py writes the traced step's optimized HLO beside the trace
+# train_step.py's jax.named_scope around the optimizer update. XLA keeps the scope in each instruction's
+# op_name, but a GPU trace names kernels after their fusion (`loop_select_fusion_5`: the fused AdamW
+# update is rooted in the non-finite guard's select), so the program file is what ties them together.
+OPTIMIZER_SCOPE = "/optimizer/"
+_HLO_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bmetadata=\{[^}]*?\bop_name="([^"]*)"')
 
 
-def classify(name: str, args: dict[str, Any] | None = None) -> str:
+def classify(name: str, args: dict[str, Any] | None = None, op_name: str = "") -> str:
+    """RULES over the kernel's name and trace args; then a fusion or other kernel that the program file
+    places under the optimizer's scope (`op_name`) counts as optimizer. Only the scope's exact name is
+    read from op_name: module names in it (`...Attention/...`) would mislead the broad RULES."""
     args = args or {}
     text = " | ".join(str(x) for x in (name, args.get("hlo_op", ""), args.get("tf_op", "")) if x).lower()
-    return next((c for c, rx in _COMPILED if rx.search(text)), OTHER)
+    category = next((c for c, rx in _COMPILED if rx.search(text)), OTHER)
+    if OPTIMIZER_SCOPE in op_name and category in ("elementwise", OTHER):
+        return "optimizer"
+    return category
+
+
+def program_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> op_name (the jax name stack it was traced under) in an HLO module's text, under
+    both spellings a trace uses: the HLO's (`loop_select_fusion.5`; CPU thunks) and the GPU kernel's
+    (`loop_select_fusion_5`)."""
+    scopes = {}
+    for line in hlo_text.splitlines():
+        if m := _HLO_INSTRUCTION.match(line):
+            name, op_name = m.groups()
+            scopes[name] = op_name
+            scopes.setdefault(re.sub(r"[.\-]", "_", name), op_name)
+    return scopes
 
 
 @dataclass
@@ -105,8 +131,16 @@ def load_events(path: Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def read_trace(events: list[dict]) -> tuple[list[Kernel], dict[str, list[tuple[float, float]]], list[dict]]:
-    """(kernels, module executions per device, host step markers) of a trace's events."""
+def read_trace(events: list[dict], scopes: dict[str, str] | None = None
+               ) -> tuple[list[Kernel], dict[str, list[tuple[float, float]]], list[dict]]:
+    """(kernels, module executions per device, host step markers) of a trace's events; `scopes`
+    (program_scopes of the traced program) lets `classify` see each kernel's op_name."""
+    scopes = scopes or {}
+
+    def category(e: dict) -> str:
+        name, args = e.get("name", ""), e.get("args") or {}
+        return classify(name, args, scopes.get(args.get("hlo_op", "")) or scopes.get(name, ""))
+
     process, thread = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -129,8 +163,7 @@ def read_trace(events: list[dict]) -> tuple[list[Kernel], dict[str, list[tuple[f
                 executions[device_pids[e["pid"]]].append(span)
             # A device without stream lines (a TPU) has its kernels on the XLA Ops line only.
             elif not DERIVED_LINE.match(line) or (line.startswith("XLA Ops") and e["pid"] not in with_streams):
-                kernels.append(Kernel(device_pids[e["pid"]], key, *span, e.get("name", ""),
-                                      classify(e.get("name", ""), e.get("args"))))
+                kernels.append(Kernel(device_pids[e["pid"]], key, *span, e.get("name", ""), category(e)))
     else:  # CPU: XLA thunks on host threads
         runs = defaultdict(lambda: [float("inf"), float("-inf")])
         for e in complete:
@@ -139,8 +172,7 @@ def read_trace(events: list[dict]) -> tuple[list[Kernel], dict[str, list[tuple[f
                 continue
             device = f"cpu:{args['device_ordinal']}"
             s, t = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-            kernels.append(Kernel(device, (e.get("pid"), e.get("tid")), s, t, e.get("name", ""),
-                                  classify(e.get("name", ""), args)))
+            kernels.append(Kernel(device, (e.get("pid"), e.get("tid")), s, t, e.get("name", ""), category(e)))
             if "run_id" in args:
                 r = runs[(device, args["run_id"])]
                 r[0], r[1] = min(r[0], s), max(r[1], t)
@@ -361,7 +393,9 @@ def format_table(report: dict[str, Any]) -> str:
     dev = report["devices"][0] if n == 1 else f"{n} devices ({report['devices'][0]} ...), times per device"
     lines = [f"trace: {report.get('trace', '?')}",
              f"device: {dev}; window {report['wall_ms']:.2f} ms over {report['steps']} steps "
-             f"({report['steps_from']}) = {report['wall_ms'] / report['steps']:.2f} ms/step", "",
+             f"({report['steps_from']}) = {report['wall_ms'] / report['steps']:.2f} ms/step",
+             f"program: {report.get('program') or f'none (no {PROGRAM_FILE}: optimizer kernels count as elementwise)'}",
+             "",
              f"{'category':<38}{'ms':>10}{'% wall':>9}{'ms/step':>10}{'kernels':>9}"]
     total = 0.0
     for c, r in cats.items():
@@ -393,10 +427,31 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def profile_report(path: str | Path, steps: int | None = None, top_kernels: int = 10) -> dict[str, Any]:
+def find_program(path: str | Path, trace: Path) -> Path | None:
+    """PROGRAM_FILE in the directory given, or in a folder between it and the trace."""
+    top = Path(path) if Path(path).is_dir() else trace.parent
+    for folder in [trace.parent, *trace.parents]:
+        if (folder / PROGRAM_FILE).is_file():
+            return folder / PROGRAM_FILE
+        if folder == top:
+            return None
+    return None
+
+
+def profile_report(path: str | Path, steps: int | None = None, top_kernels: int = 10,
+                   program: str | None = None) -> dict[str, Any]:
+    """The report of the newest trace under `path`. `program` (the traced step's optimized HLO text)
+    names the fused optimizer kernels; by default it is read from PROGRAM_FILE beside the trace."""
     trace = find_trace(path)
-    report = summarize(*read_trace(load_events(trace)), steps=steps, top_kernels=top_kernels)
-    return dict(trace=str(trace), **report)
+    source = "given" if program is not None else None
+    if program is None and (found := find_program(path, trace)):
+        program, source = found.read_text(), str(found)
+    scopes = program_scopes(program) if program else None
+    report = summarize(*read_trace(load_events(trace), scopes), steps=steps, top_kernels=top_kernels)
+    if scopes is None:
+        report["notes"] = [n + f" (no {PROGRAM_FILE} beside the trace to tell)" if n.startswith("optimizer:")
+                           else n for n in report["notes"]]
+    return dict(trace=str(trace), program=source, **report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,20 +9,23 @@ must come). Steps outside the window run exactly as without it: a few comparison
 
 The trace is what `jax.profiler` writes: `<run.dir>/profile/plugins/profile/<time>/<host>.trace.json.gz`
 (Chrome trace format, read by `python -m meshtrain.profile_table`), a `perfetto_trace.json.gz` beside it
-for ui.perfetto.dev, and the `.xplane.pb` that TensorBoard's profile plugin reads.
+for ui.perfetto.dev, and the `.xplane.pb` that TensorBoard's profile plugin reads. Beside them goes
+`<run.dir>/profile/step.hlo.txt`, the traced step's optimized HLO (from jit's compilation cache, so it
+costs no compile): it tells profile_table which fused kernels are the optimizer's.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
 from meshtrain.config import RunConfig, profile_range
 
 STEP_MARKER = "train_step"  # the host-side annotation around each traced step; profile_table counts these
+PROGRAM_FILE = "step.hlo.txt"  # the traced step's optimized HLO; profile_table reads kernels' scopes from it
 
 
 class StepTrace:
@@ -66,15 +69,22 @@ class StepTrace:
             yield
         self.last = step  # dispatched: an early stop's trace reaches this far
 
-    def after(self, step: int, outputs: Any) -> float:
-        """Called after dispatching step `step`: stops the trace once the window's last step is done.
-        Returns the host seconds spent writing the trace, to be kept off the throughput clock (the wait
-        for `outputs` is not among them: it is that step's device time)."""
+    def after(self, step: int, outputs: Any, program: Callable[[], str] | None = None) -> float:
+        """Called after dispatching step `step`: stops the trace once the window's last step is done, and
+        writes `program()` (the step's optimized HLO text) beside it as PROGRAM_FILE. Returns the host
+        seconds spent writing both, to be kept off the throughput clock (the wait for `outputs` is not
+        among them: it is that step's device time)."""
         if not (self.active and step + 1 >= self.window[1]):
             return 0.0
         jax.block_until_ready(outputs)
         began = time.perf_counter()
         self.stop()
+        if program is not None:
+            try:  # a profile without it is still a profile: its optimizer kernels count as elementwise
+                (self.directory / PROGRAM_FILE).write_text(program())
+            except Exception as e:  # noqa: BLE001 - whatever lowering raises, the run goes on
+                self._write(f"meshtrain: the step's program was not written beside the trace ({e}); "
+                            f"profile_table will count the optimizer's kernels as elementwise")
         return time.perf_counter() - began
 
     def stop(self) -> None:

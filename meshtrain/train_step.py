@@ -243,17 +243,19 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, Batch], tuple[TrainSt
         loss = loss_sum / n_tokens  # the objective, auxiliary losses included
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        # The scope names the fused update's kernels in a profile (meshtrain/profile_table.py).
+        with jax.named_scope("optimizer"):
+            updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+            params = keep(optax.apply_updates(state.params, updates), state.params)
+            opt_state = keep(opt_state, state.opt_state)
         applied = state.step - state.nonfinite_total  # the optimizer's own count: skipped steps don't move it
         scale, good = state.loss_scale, state.scale_good_steps
         if fp16:
             scale, good = update_loss_scale(scale, good, finite,
                                             growth_interval=setup.cfg.precision.loss_scale_growth_interval)
         new_state = TrainState(
-            step=state.step + 1, params=keep(params, state.params), model_state=keep(model_state, state.model_state),
-            opt_state=keep(opt_state, state.opt_state),
+            step=state.step + 1, params=params, model_state=keep(model_state, state.model_state), opt_state=opt_state,
             nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
             nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32),
             loss_scale=scale, scale_good_steps=good)

@@ -208,16 +208,18 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
             for step in range(start, t.steps):
                 # Starting a trace waits for `state`, which the read below waits for anyway.
                 timer.pause(trace.begin(step, state))
+                batch = feed.get(step)
                 with trace.step(step):
-                    state, metrics = step_fn(state, feed.get(step))
+                    state, metrics = step_fn(state, batch)
                 if pending is not None:
                     read(*pending)
                 pending = (step + 1, metrics)
                 # Waiting for this step (to stop the trace, save, evaluate) only after the previous one was
                 # read: the read ends the previous step's interval, so a wait before it would move this
                 # step's device time into that interval and leave this step's own interval near empty.
-                if trace.active:
-                    timer.pause(trace.after(step, (state, metrics)))
+                if trace.active:  # the program: the same signature as the step just run, a cache hit
+                    timer.pause(trace.after(step, (state, metrics),
+                                            program=lambda: step_fn.lower(state, batch).compile().as_text()))
                 log.advance()
                 done = step + 1
                 if ckpt and cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == t.steps):

@@ -132,7 +132,7 @@ def one_run(a) -> dict:
     dt = statistics.median(timed)
     profile = None
     if a.profile:
-        report = profile_report(trace_dir, top_kernels=40)
+        report = profile_report(trace_dir, top_kernels=40, program=hlo)
         profile = dict(steps=a.profile, table=format_table(report), categories=report["categories"],
                        top_kernels=report["top_kernels"])
         shutil.rmtree(trace_dir)  # the table is what comes back; a trace is tens of MB

@@ -11,7 +11,8 @@ import yaml
 
 from helpers import run_cli
 from meshtrain.config import ConfigError, build_config, validate
-from meshtrain.profile_table import Kernel, classify, main, profile_report, self_time_pieces
+from meshtrain.profile_table import (PROGRAM_FILE, Kernel, classify, main, profile_report, program_scopes,
+                                     self_time_pieces)
 
 # ------------------------------------------------------------------------------------------- config
 
@@ -146,6 +147,43 @@ def test_collective_half_under_a_gemm_is_half_exposed(tmp_path):
         (10, 30, "loop_add_fusion", "MemcpyD2D"), (5, 15, "sm90_xmma_gemm_bf16", "loop_add_fusion")]
 
 
+PROGRAM = """HloModule jit_step, entry_computation_layout={...}
+
+%fused_select.5 (param_0: f32[4096]) -> f32[4096] {
+  ROOT %select.3 = f32[4096]{0} select(%p, %a, %b), metadata={op_name="jit(step)/optimizer/jit(_where)/select_n"}
+}
+
+ENTRY %main.9 (p0: f32[4096]) -> f32[4096] {
+  %loop_select_fusion.5 = f32[4096]{0} fusion(%p0), kind=kLoop, calls=%fused_select.5, metadata={op_name="jit(step)/optimizer/jit(_where)/select_n" stack_frame_id=3}, backend_config={}
+  %loop_add_fusion = f32[4096]{0} fusion(%p0), kind=kLoop, calls=%fused_add, metadata={op_name="jit(step)/Decoder/CausalSelfAttention/add"}
+  ROOT %all-reduce.2 = f32[4096]{0} all-reduce(%x), metadata={op_name="jit(step)/optimizer/psum"}
+}
+"""
+
+
+def test_program_scopes_read_every_instruction_under_both_spellings():
+    scopes = program_scopes(PROGRAM)
+    assert scopes["loop_select_fusion.5"] == scopes["loop_select_fusion_5"] == "jit(step)/optimizer/jit(_where)/select_n"
+    assert scopes["all_reduce_2"] == "jit(step)/optimizer/psum"
+    assert scopes["loop_add_fusion"] == "jit(step)/Decoder/CausalSelfAttention/add"
+
+
+def test_program_file_moves_the_fused_update_to_optimizer(tmp_path):
+    """Only kernels the broad rules call elementwise (or other) move: a collective in the optimizer's scope
+    stays a collective, and a module name in op_name (...Attention...) changes nothing."""
+    kernels = [(1, "loop_select_fusion_5", 0, 10), (1, "loop_add_fusion", 10, 14),
+               (2, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 14, 16)]
+    write_trace(tmp_path / "vm.trace.json.gz", kernels, modules=[(0, 16)], markers=[])
+    before = profile_report(tmp_path)
+    assert before["program"] is None and any(PROGRAM_FILE in n for n in before["notes"])
+    assert before["categories"]["optimizer"]["ms"] == 0
+    (tmp_path / PROGRAM_FILE).write_text(PROGRAM)
+    c = {k: v["ms"] * 1e3 for k, v in profile_report(tmp_path)["categories"].items()}
+    assert (c["optimizer"], c["elementwise"], c["collective"], c["attention"]) == pytest.approx((10, 4, 2, 0))
+    assert classify("loop_select_fusion_5", {}, "jit(step)/optimizer/jit(_where)/select_n") == "optimizer"
+    assert classify("loop_select_fusion_5", {}, "jit(step)/Decoder/select_n") == "elementwise"
+
+
 def test_table_and_json_entry_point(tmp_path, capsys):
     write_trace(tmp_path / "vm.trace.json.gz", [(1, "sm90_xmma_gemm_bf16", 0, 10)], modules=[(0, 10)], markers=[])
     assert main([str(tmp_path), "--steps", "2"]) == 0
@@ -170,7 +208,8 @@ def test_tiny_run_writes_a_trace_that_the_table_reads(tmp_path):
     assert (r["steps"], r["steps_from"]) == (2, "train_step markers")
     assert len(r["devices"]) == 8
     c = {k: v["ms"] for k, v in r["categories"].items()}
-    for category in ("gemm", "elementwise", "collective"):  # dots, fusions and the dp/fsdp/tp reductions
+    assert r["program"] == str(tmp_path / "profile" / PROGRAM_FILE)  # written by the run, read by the table
+    for category in ("gemm", "elementwise", "collective", "optimizer"):  # dots, fusions, reductions, AdamW
         assert c[category] > 0, (category, c)
     busy = sum(v for k, v in c.items() if not k.startswith("idle"))
     assert 0 < busy <= r["wall_ms"] * (1 + 1e-9)
