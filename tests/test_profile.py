@@ -168,7 +168,7 @@ def test_program_scopes_read_every_instruction_under_both_spellings():
     assert scopes["loop_add_fusion"] == "jit(step)/Decoder/CausalSelfAttention/add"
 
 
-def test_program_file_moves_the_fused_update_to_optimizer(tmp_path):
+def test_program_file_moves_the_fused_update_to_optimizer(tmp_path, capsys):
     """Only kernels the broad rules call elementwise (or other) move: a collective in the optimizer's scope
     stays a collective, and a module name in op_name (...Attention...) changes nothing."""
     kernels = [(1, "loop_select_fusion_5", 0, 10), (1, "loop_add_fusion", 10, 14),
@@ -180,6 +180,9 @@ def test_program_file_moves_the_fused_update_to_optimizer(tmp_path):
     (tmp_path / PROGRAM_FILE).write_text(PROGRAM)
     c = {k: v["ms"] * 1e3 for k, v in profile_report(tmp_path)["categories"].items()}
     assert (c["optimizer"], c["elementwise"], c["collective"], c["attention"]) == pytest.approx((10, 4, 2, 0))
+    (tmp_path / PROGRAM_FILE).rename(tmp_path / "elsewhere.hlo")  # a program from --xla_dump_to, say
+    assert main([str(tmp_path), "--json", "--program", str(tmp_path / "elsewhere.hlo")]) == 0
+    assert json.loads(capsys.readouterr().out)["categories"]["optimizer"]["ms"] * 1e3 == pytest.approx(10)
     assert classify("loop_select_fusion_5", {}, "jit(step)/optimizer/jit(_where)/select_n") == "optimizer"
     assert classify("loop_select_fusion_5", {}, "jit(step)/Decoder/select_n") == "elementwise"
 
