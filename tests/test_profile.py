@@ -163,7 +163,8 @@ ENTRY %main.9 (p0: f32[4096]) -> f32[4096] {
 
 def test_program_scopes_read_every_instruction_under_both_spellings():
     scopes = program_scopes(PROGRAM)
-    assert scopes["loop_select_fusion.5"] == scopes["loop_select_fusion_5"] == "jit(step)/optimizer/jit(_where)/select_n"
+    update = "jit(step)/optimizer/jit(_where)/select_n"
+    assert scopes["loop_select_fusion.5"] == scopes["loop_select_fusion_5"] == update
     assert scopes["all_reduce_2"] == "jit(step)/optimizer/psum"
     assert scopes["loop_add_fusion"] == "jit(step)/Decoder/CausalSelfAttention/add"
 
