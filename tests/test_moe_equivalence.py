@@ -17,6 +17,7 @@ from meshtrain.train_step import init_state, make_batches, make_grad_fn, make_tr
 MOE = ["model.n_layers=4", "moe.n_experts=8", "moe.top_k=2", "moe.d_ff_expert=32", "moe.every=2", "moe.n_shared=1",
        "moe.aux_loss_coef=0.1", "moe.z_loss_coef=0.01", "train.grad_accum=2"]
 LAYOUTS = {
+    "ep2_dp4": ["mesh.ep=2", "mesh.dp=4", "mesh.fsdp=1"],
     "ep2_fsdp2_tp2_zero3": ["mesh.ep=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"],
     "ep4_dp2": ["mesh.ep=4", "mesh.dp=2", "mesh.fsdp=1"],
     "ep8": ["mesh.ep=8", "mesh.fsdp=1"],
