@@ -67,7 +67,7 @@ LABELS = {"gemm": "GEMM", "attention": "attention", "elementwise": "norm/element
 DEVICE_PROCESS = re.compile(r"/device:([A-Za-z]+):(\d+)")
 DERIVED_LINE = re.compile(r"^(XLA Modules|XLA Ops|Async XLA Ops|XLA TraceMe|Steps|TensorFlow|Framework|"
                           r"Source code|Launch Stats|SparseCore)", re.I)
-STEP_MARKER = "train_step"  # meshtrain/profiler.py's host annotation around each traced step
+STEP_MARKER = "train_step"  # the host annotation meshtrain/profiler.py puts around each traced step
 PROGRAM_FILE = "step.hlo.txt"  # meshtrain/profiler.py writes the traced step's optimized HLO beside the trace
 # train_step.py's jax.named_scope around the optimizer update. XLA keeps the scope in each instruction's
 # op_name, but a GPU trace names kernels after their fusion (`loop_select_fusion_5`: the fused AdamW
@@ -268,7 +268,8 @@ def account_device(pieces: list[tuple[float, float, Kernel]]) -> tuple[dict[str,
 
 
 def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, float]]], markers: list[dict],
-              steps: int | None = None, top_kernels: int = 10) -> dict[str, Any]:
+              steps: int | None = None, top_kernels: int = 10, scoped: bool = False) -> dict[str, Any]:
+    """The report of a trace's kernels; `scoped`: they were classified with the traced program's scopes."""
     if not kernels:
         raise ValueError("the trace holds no device kernels or XLA ops: was any step run while it was recording?")
     by_thread = defaultdict(list)
@@ -332,7 +333,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
     notes = []
     if not counts.get("optimizer"):
         notes.append("optimizer: no kernel is named as one in this trace; its update is counted in "
-                     "norm/elementwise")
+                     "norm/elementwise" + ("" if scoped else f" (no {PROGRAM_FILE} beside the trace to tell)"))
     top = sorted(self_us.items(), key=lambda kv: -kv[1])[:top_kernels]
     host = {}
     if len(markers) > 1:
@@ -447,10 +448,8 @@ def profile_report(path: str | Path, steps: int | None = None, top_kernels: int 
     if program is None and (found := find_program(path, trace)):
         program, source = found.read_text(), str(found)
     scopes = program_scopes(program) if program else None
-    report = summarize(*read_trace(load_events(trace), scopes), steps=steps, top_kernels=top_kernels)
-    if scopes is None:
-        report["notes"] = [n + f" (no {PROGRAM_FILE} beside the trace to tell)" if n.startswith("optimizer:")
-                           else n for n in report["notes"]]
+    report = summarize(*read_trace(load_events(trace), scopes), steps=steps, top_kernels=top_kernels,
+                       scoped=scopes is not None)
     return dict(trace=str(trace), program=source, **report)
 
 

@@ -23,9 +23,9 @@ from typing import Any, Callable
 import jax
 
 from meshtrain.config import RunConfig, profile_range
-
-STEP_MARKER = "train_step"  # the host-side annotation around each traced step; profile_table counts these
-PROGRAM_FILE = "step.hlo.txt"  # the traced step's optimized HLO; profile_table reads kernels' scopes from it
+# The names the trace and its reader share: the host annotation around each traced step, and the file
+# holding the traced step's optimized HLO (profile_table imports nothing but the standard library).
+from meshtrain.profile_table import PROGRAM_FILE, STEP_MARKER
 
 
 class StepTrace:

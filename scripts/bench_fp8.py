@@ -237,8 +237,10 @@ def main() -> int:
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.profile:
-        lo, _, hi = a.profile.partition(":")
-        if not (lo.isdigit() and hi.isdigit() and 4 <= int(lo) < int(hi) <= a.steps + 4):
+        from meshtrain.config import profile_range  # no jax: the parent only launches the runs
+
+        window = profile_range(a.profile)
+        if not (window and 4 <= window[0] < window[1] <= a.steps + 4):
             ap.error(f"--profile {a.profile}: give START:END with 4 <= START < END <= steps + 4 = {a.steps + 4} "
                      f"(the first 4 steps are warm-up)")
     out = Path(a.out)
