@@ -1,5 +1,5 @@
 """Pallas kernels for meshtrain (imports jax only). Each kernel has a jnp reference beside it."""
-from pallas_kernels.attention_plan import FlashAttentionBlockSizes
+from pallas_kernels.attention_plan import FlashAttentionBlockSizes, MosaicBlockSizes
 from pallas_kernels.attention_reference import flash_attention_reference
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                                           linear_cross_entropy_reference)
@@ -11,6 +11,7 @@ __all__ = [
     "FlashAttentionBlockSizes",
     "GroupedMatmulBlockSizes",
     "LinearCrossEntropyBlockSizes",
+    "MosaicBlockSizes",
     "RmsNormBlockSizes",
     "flash_attention",
     "flash_attention_backward",

@@ -65,6 +65,46 @@ class FlashAttentionBlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicBlockSizes:
+    """Tiles of the Mosaic GPU (Hopper) kernels. Query tiles are fixed at 2 warpgroups x 64 rows
+    (the wgmma M); these set the streamed side and the depth of its shared-memory pipeline.
+
+    fwd: each consumer walks keys `block_k` at a time through `stages` slots.
+    dq: each consumer walks keys `block_k_dq` at a time. dkdv: each consumer owns 64 keys and walks
+    queries `block_q_dkv` at a time. Both backward kernels use `stages_bwd` slots.
+    dq_atomic: dQ from the dK/dV kernel, each step's dS K added into an fp32 buffer by TMA reduce-adds
+    (5 GEMMs in all); by default a separate dQ kernel recomputes S and dP (7 GEMMs, no atomics),
+    which measured 1.5x faster forward+backward on an H100 (docs/KERNELS_NOTES.md).
+    """
+    block_k: int = 128
+    stages: int = 2
+    block_k_dq: int = 64
+    block_q_dkv: int = 64
+    stages_bwd: int = 2
+    dq_atomic: bool = False
+
+    def __post_init__(self):
+        for f in ("block_k", "block_k_dq", "block_q_dkv"):
+            val = getattr(self, f)
+            if val not in (64, 128, 256):
+                raise ValueError(f"MosaicBlockSizes.{f} must be 64, 128 or 256; got {val!r}")
+        for f in ("stages", "stages_bwd"):
+            val = getattr(self, f)
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"MosaicBlockSizes.{f} must be a positive int; got {val!r}")
+        if self.dq_atomic and self.block_q_dkv != 64:
+            raise ValueError(f"MosaicBlockSizes.dq_atomic needs block_q_dkv=64 (one wgmma's rows of dQ); got "
+                             f"block_q_dkv={self.block_q_dkv}; set dq_atomic=False for larger query tiles")
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "MosaicBlockSizes":
+        """Defaults that fit the 227 KiB of shared memory for head dims 64 and 128."""
+        if head_dim <= 64:
+            return cls(block_k=128, stages=3, block_k_dq=128, block_q_dkv=64, stages_bwd=3)
+        return cls()
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionPlan:
     """Everything static about one call: hashable, so it can be a custom_vjp nondiff argument."""
     causal: bool
@@ -76,6 +116,8 @@ class AttentionPlan:
     has_seg: bool
     blocks: FlashAttentionBlockSizes
     interpret: bool
+    backend: str = "triton"  # "triton" | "mosaic": which kernels run this plan
+    mosaic: MosaicBlockSizes | None = None
 
     @property
     def offset(self) -> int:

@@ -24,9 +24,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import (FlashAttentionBlockSizes, flash_attention, flash_attention_reference,
-                            linear_cross_entropy, linear_cross_entropy_reference, RmsNormBlockSizes,
-                            rms_norm, rms_norm_reference)
+from pallas_kernels import (FlashAttentionBlockSizes, MosaicBlockSizes, flash_attention,
+                            flash_attention_reference, linear_cross_entropy, linear_cross_entropy_reference,
+                            RmsNormBlockSizes, rms_norm, rms_norm_reference)
 
 warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 warns at every Triton lowering
 
@@ -61,25 +61,29 @@ def randn(key, shape, dtype, scale=1.0):
 def attention_rows(args, results):
     shapes = [(4, 4096, 16, 16, 128, True), (4, 4096, 16, 16, 128, False),
               (1, 16384, 16, 16, 128, True), (1, 16384, 16, 16, 128, False),
-              (4, 4096, 16, 4, 128, True)]
+              (4, 4096, 16, 4, 128, True), (4, 4096, 32, 8, 64, True)]
     if args.quick:
         shapes = [shapes[0], shapes[4]]
     impls = {
-        "pallas": lambda causal, bs: functools.partial(flash_attention, causal=causal, block_sizes=bs),
+        "mosaic": lambda causal, bs: functools.partial(flash_attention, causal=causal, block_sizes=bs,
+                                                       backend="mosaic"),
+        "triton": lambda causal, bs: functools.partial(flash_attention, causal=causal, block_sizes=bs,
+                                                       backend="triton"),
         "cudnn": lambda causal, bs: functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                                       implementation="cudnn"),
         "xla_ref": lambda causal, bs: functools.partial(flash_attention_reference, causal=causal),
     }
-    configs = [("default", None)]
+    configs = {impl: [("default", None)] for impl in impls}
     if args.sweep:
-        fab = FlashAttentionBlockSizes
-        configs += [
+        fab, mbs = FlashAttentionBlockSizes, MosaicBlockSizes
+        configs["triton"] += [
             ("dkdv_w4_dq_w4", fab(num_warps_dkdv=4, num_warps_dq=4)),
-            ("dkdv_w4s3_dq_w8s3", fab(num_warps_dkdv=4, num_stages_dkdv=3, num_stages_dq=3)),
             ("dkdv64x128_dq128x64", fab(block_q_dkv=64, block_q_dq=128, block_k_dq=64)),
-            ("dkdv32x64_dq64x32_w4s3", fab(block_k_dkv=64, block_q_dq=64, num_warps_dkdv=4,
-                                           num_stages_dkdv=3, num_warps_dq=4, num_stages_dq=3)),
-            ("dkdv16x128_dq128x16", fab(block_q_dkv=16, block_k_dq=16)),
+        ]
+        configs["mosaic"] += [
+            ("dq_atomic", mbs(dq_atomic=True)),
+            ("dq128", mbs(block_k_dq=128)),
+            ("dkv128", mbs(block_q_dkv=128)),
         ]
     for b, s, h, kh, e, causal in shapes:
         flops_fwd = 4 * b * h * s * s * e / (2 if causal else 1)
@@ -91,8 +95,8 @@ def attention_rows(args, results):
         for impl, make in impls.items():
             if impl == "xla_ref" and s > 8192:
                 continue  # [B, H, S, S] fp32 scores: 17 GB per copy at S=16384
-            for cname, bs in (configs if (impl == "pallas" and (b, s, kh, causal) == (4, 4096, 16, True))
-                              else configs[:1]):
+            swept = (b, s, kh, causal) == (4, 4096, 16, True)
+            for cname, bs in (configs[impl] if swept else configs[impl][:1]):
                 fn = make(causal, bs)
                 name = f"attn {'causal' if causal else 'full'} B{b} S{s} H{h} K{kh} E{e} {impl}"
                 if cname != "default":

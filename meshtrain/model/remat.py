@@ -22,11 +22,12 @@ from meshtrain.config import CHECKPOINT_POINTS
 
 def fused_attention_forward(prim, *_, **params) -> bool:
     """The forward kernel of a fused attention: cuDNN's (jax.nn.dot_product_attention) or the Pallas
-    flash attention's. Both sit inside a custom_vjp whose forward rule the policy sees, and their
-    outputs are exactly the residuals the matching backward kernel reads."""
+    flash attention's (Triton: a pallas_call; Mosaic GPU: an mpmd_map). Each sits inside a custom_vjp
+    whose forward rule the policy sees, and their outputs are exactly the residuals the matching
+    backward kernel reads."""
     if prim.name == "dot_product_attention_fwd_wrapper":
         return True
-    if prim.name == "pallas_call":
+    if prim.name in ("pallas_call", "mpmd_map"):
         name = str(params.get("name_and_src_info", params.get("name", "")))
         return name.startswith("flash_attention_fwd")
     return False

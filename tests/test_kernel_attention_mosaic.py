@@ -1,0 +1,119 @@
+"""flash_attention's Mosaic GPU backend against the jnp reference (GPU tests), and backend selection.
+
+The Mosaic kernels have no CPU test: jax's Mosaic GPU interpreter does not take wgmma operands
+through `transpose_ref` or accumulators through `run_state`, both of which every attention GEMM here
+uses. They run on a Hopper GPU (`pytest -m gpu`), on the cases the Triton kernel is tested on.
+
+Tolerance: relative L2 error 2e-2 for bf16/fp16, as for the Triton kernel: p (and ds in the
+backward) is rounded to the input dtype before its second matmul, 2^-8 relative per element in bf16.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import MosaicBlockSizes, flash_attention, flash_attention_reference
+from pallas_kernels.mosaic_common import is_hopper
+
+TOL = 2e-2
+hopper = pytest.mark.skipif(not (jax.default_backend() == "gpu" and is_hopper()), reason="needs a Hopper GPU")
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30)
+
+
+def _inputs(seed, b, t, s, h, k, e, dtype):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    return (normal(ks[0], (b, t, h, e)), normal(ks[1], (b, s, k, e)), normal(ks[2], (b, s, k, e)),
+            normal(ks[3], (b, t, h, e)), jax.random.normal(ks[4], (b, h, t), jnp.float32))
+
+
+def _outputs_and_grads(fn, q, k, v, do, dlse):
+    def run(q, k, v):
+        (o, lse), vjp = jax.vjp(fn, q, k, v)
+        return (o, lse) + vjp((do, dlse))
+    return jax.jit(run)(q, k, v)
+
+
+def _packed_ids(b, t, lengths):
+    """[b, t] segment ids: documents of the given lengths, repeated, then a padding id."""
+    ids = np.full((b, t), 99, np.int32)
+    for row in range(b):
+        pos, doc = 0, 0
+        while pos < t:
+            n = lengths[(doc + row) % len(lengths)]
+            ids[row, pos:pos + n] = doc
+            pos, doc = pos + n, doc + 1
+    return jnp.asarray(ids)
+
+
+CASES = {
+    # name: (b, t, s, h, k, e, causal, dtype, segments, block_sizes)
+    "causal_gqa_e128": (2, 1024, 1024, 8, 2, 128, True, jnp.bfloat16, None, None),
+    "full_mha_e128": (2, 1024, 1024, 8, 8, 128, False, jnp.bfloat16, None, None),
+    "causal_ragged_t_lt_s_e64": (2, 1000, 1536, 4, 4, 64, True, jnp.bfloat16, None, None),
+    "causal_t_gt_s_gqa_e64": (1, 1536, 1000, 4, 2, 64, True, jnp.bfloat16, None, None),
+    "full_ragged_e64": (2, 333, 777, 4, 1, 64, False, jnp.bfloat16, None, None),
+    "causal_segments_gqa": (2, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, (300, 77, 500, 147), None),
+    "full_segments_ragged": (1, 900, 900, 2, 2, 64, False, jnp.bfloat16, (128, 500, 31), None),
+    "causal_fp16": (1, 1024, 1024, 4, 4, 128, True, jnp.float16, None, None),
+    # Non-default tiles, and the other dQ path (TMA reduce-adds from the dK/dV kernel).
+    "causal_dq_kernel_k64_stages3": (1, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, None,
+                                     MosaicBlockSizes(block_k=64, stages=3, block_k_dq=128, block_q_dkv=128,
+                                                      dq_atomic=False)),
+    "segments_dq_atomic_e64": (2, 700, 700, 4, 2, 64, True, jnp.bfloat16, (200, 33, 467),
+                               MosaicBlockSizes(dq_atomic=True)),
+    "full_dq_atomic_gqa": (1, 512, 640, 4, 2, 128, False, jnp.bfloat16, None, MosaicBlockSizes(dq_atomic=True)),
+}
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("case", list(CASES))
+def test_mosaic_matches_reference(case):
+    b, t, s, h, k, e, causal, dtype, lengths, bs = CASES[case]
+    q, kk, v, do, dlse = _inputs(3, b, t, s, h, k, e, dtype)
+    seg = _packed_ids(b, t, lengths) if lengths else None
+    common = dict(causal=causal, segment_ids=seg, return_lse=True)
+    got = _outputs_and_grads(functools.partial(flash_attention, backend="mosaic", block_sizes=bs, **common),
+                             q, kk, v, do, dlse)
+    want = _outputs_and_grads(functools.partial(flash_attention_reference, **common), q, kk, v, do, dlse)
+    errors = {}
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+        if name == "lse":  # rows that see no key: -inf in both
+            g, w = np.asarray(g), np.asarray(w)
+            assert (np.isneginf(g) == np.isneginf(w)).all(), "lse: -inf rows differ"
+            g, w = np.where(np.isneginf(w), 0.0, g), np.where(np.isneginf(w), 0.0, w)
+        assert np.isfinite(np.asarray(g, np.float32)).all(), f"{name}: non-finite values"
+        errors[name] = _rel(g, w)
+    assert max(errors.values()) < TOL, {n: f"{err:.2e}" for n, err in errors.items()}
+
+
+def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="backend must be one of auto, mosaic, triton; got 'cuda'"):
+        flash_attention(q, q, q, backend="cuda", interpret=True)
+    with pytest.raises(ValueError, match="backend='mosaic' cannot run here: interpret mode"):
+        flash_attention(q, q, q, backend="mosaic", interpret=True)
+    if not is_hopper():
+        with pytest.raises(ValueError, match="need a Hopper GPU"):
+            flash_attention(q, q, q, backend="mosaic")
+    with pytest.raises(ValueError, match="block_k must be 64, 128 or 256; got 32"):
+        MosaicBlockSizes(block_k=32)
+    with pytest.raises(ValueError, match="stages must be a positive int; got 0"):
+        MosaicBlockSizes(stages=0)
+    with pytest.raises(ValueError, match="dq_atomic needs block_q_dkv=64"):
+        MosaicBlockSizes(block_q_dkv=128, dq_atomic=True)
+
+
+def test_auto_runs_the_triton_kernels_where_mosaic_cannot():
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 40, 2, 32), jnp.float32)
+    auto = flash_attention(q, q, q, interpret=True)
+    triton = flash_attention(q, q, q, interpret=True, backend="triton")
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(triton))
