@@ -1,8 +1,9 @@
 """flash_attention's Mosaic GPU backend against the jnp reference (GPU tests), and backend selection.
 
-The Mosaic kernels have no CPU test: jax's Mosaic GPU interpreter does not take wgmma operands
-through `transpose_ref` or accumulators through `run_state`, both of which every attention GEMM here
-uses. They run on a Hopper GPU (`pytest -m gpu`), on the cases the Triton kernel is tested on.
+The Mosaic kernels do not run on the CPU: jax's Mosaic GPU interpreter takes no transposed wgmma
+operands and no `run_state` accumulators, both of which every attention GEMM here uses. The CPU traces
+them (every kernel body to a jaxpr); they run on a Hopper GPU (`pytest -m gpu`), on the cases the
+Triton kernel is tested on.
 
 Tolerance: relative L2 error 2e-2 for bf16/fp16, as for the Triton kernel: p (and ds in the
 backward) is rounded to the input dtype before its second matmul, 2^-8 relative per element in bf16.
@@ -117,3 +118,33 @@ def test_auto_runs_the_triton_kernels_where_mosaic_cannot():
     auto = flash_attention(q, q, q, interpret=True)
     triton = flash_attention(q, q, q, interpret=True, backend="triton")
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(triton))
+
+
+def _mosaic_plan(causal, has_seg, t=250, pad=256, blocks=None):
+    from pallas_kernels.attention_plan import AttentionPlan, FlashAttentionBlockSizes
+    return AttentionPlan(causal=causal, sm_scale=0.125, t_real=t, s_real=t, t_pad=pad, s_pad=pad, has_seg=has_seg,
+                         blocks=FlashAttentionBlockSizes(), interpret=False, backend="mosaic",
+                         mosaic=blocks or MosaicBlockSizes())
+
+
+@pytest.mark.parametrize("causal,has_seg,dq_atomic", [(True, False, False), (False, True, False), (True, True, True)])
+def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
+    """The kernel bodies trace to jaxprs (no GPU needed): what the CPU can check of them. Each kernel is
+    one mpmd_map whose name the remat policy `save_dots_attn` looks for."""
+    from meshtrain.model.remat import fused_attention_forward
+    from pallas_kernels.mosaic_attention_bwd import mosaic_attention_backward
+    from pallas_kernels.mosaic_attention_fwd import mosaic_attention_forward
+    plan = _mosaic_plan(causal, has_seg, blocks=MosaicBlockSizes(dq_atomic=dq_atomic))
+    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+    kv = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+    seg = jnp.zeros((2, 256), jnp.int32) if has_seg else None
+    lse = jnp.zeros((2, 4, 256), jnp.float32)
+    fwd = jax.make_jaxpr(lambda q, k, v: mosaic_attention_forward(q, k, v, seg, seg, plan))(q, kv, kv)
+    bwd = jax.make_jaxpr(lambda q, k, v: mosaic_attention_backward(q, k, v, seg, seg, q, lse, q, lse, plan))(q, kv, kv)
+    kernels = lambda jx: [e for e in jx.jaxpr.eqns if e.primitive.name == "mpmd_map"]
+    assert [e.params["name"] for e in kernels(fwd)] == ["flash_attention_fwd_mosaic"]
+    assert [fused_attention_forward(e.primitive, **e.params) for e in kernels(fwd)] == [True]
+    names = [e.params["name"] for e in kernels(bwd)]
+    assert names == (["flash_attention_dkdv_mosaic"] if dq_atomic else
+                     ["flash_attention_dkdv_mosaic", "flash_attention_dq_mosaic"])
+    assert not any(fused_attention_forward(e.primitive, **e.params) for e in kernels(bwd))
