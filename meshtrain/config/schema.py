@@ -58,6 +58,9 @@ class ModelConfig:
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
     norm: Literal["reference", "pallas"] = "reference"
     loss: Literal["reference", "fused"] = "reference"
+    # The embedding table's gradient (model/embedding.py): scatter (autodiff, atomics in the compute dtype),
+    # sorted_segment_sum (sort the ids, sum runs in fp32) or onehot (one GEMM; small vocabularies only).
+    embedding_grad: Literal["scatter", "sorted_segment_sum", "onehot"] = "sorted_segment_sum"
     scan_layers: bool = True
 
     @property

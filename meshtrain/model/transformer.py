@@ -23,11 +23,11 @@ from functools import partial
 import flax.linen as nn
 import flax.struct
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.attention import attention
+from meshtrain.model.embedding import embedding_lookup
 from meshtrain.model.kv_cache import cached_attention
 from meshtrain.model.layers import (FP8_META, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope, param, rope_tables,
                                      scaled_normal, site_matmul)
@@ -212,11 +212,11 @@ class Decoder(nn.Module):
                                  ("embed", "vocab"), p.param_dtype)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        r = self.rules
-        # The lookup reads a whole (compute-dtype) table: a gather from a sharded table would make the
-        # compiler replicate its output anyway, and the table is small next to the layer stack.
-        table_c_vd = r.constrain(self.policy.cast(self.embedding), (None, None))
-        return r.constrain(jnp.take(table_c_vd, tokens_bt, axis=0), RESIDUAL)
+        # A gather from the whole compute-dtype table; the fp32 table goes in, so that its gradient
+        # (summed as model.embedding_grad says) comes back fp32.
+        x_btd = embedding_lookup(self.embedding, tokens_bt, compute_dtype=self.policy.compute_dtype,
+                                 grad=self.cfg.embedding_grad, rules=self.rules)
+        return self.rules.constrain(x_btd, RESIDUAL)
 
     def head(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
         h_btd = self.final_norm(x_btd)
