@@ -59,9 +59,7 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], v_bar.at[wg])
         k_seg = None
         if plan.has_seg:
-            plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(k_start, BK)], kseg_smem.at[wg], kseg_bar.at[wg])
-            plgpu.barrier_wait(kseg_bar.at[wg])
-            k_seg = mc.load_vector(kseg_smem.at[wg], mc.ROW)
+            k_seg = mc.owned_ids(kseg_ref.at[b, pl.ds(k_start, BK)], kseg_smem.at[wg], kseg_bar.at[wg])
         plgpu.barrier_wait(k_bar.at[wg])
         plgpu.barrier_wait(v_bar.at[wg])
         lo, mid, _ = q_loop_bounds(plan, k_start, bq, BK)
@@ -166,9 +164,7 @@ def _dq_kernel(*refs, plan: AttentionPlan, bk: int, stages: int, group: int, e: 
         plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[wg], delta_bar.at[wg])
         q_seg = None
         if plan.has_seg:
-            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q_start, BQ)], qseg_smem.at[wg], qseg_bar.at[wg])
-            plgpu.barrier_wait(qseg_bar.at[wg])
-            q_seg = mc.load_vector(qseg_smem.at[wg], mc.ROW)
+            q_seg = mc.owned_ids(qseg_ref.at[b, pl.ds(q_start, BQ)], qseg_smem.at[wg], qseg_bar.at[wg])
         for bar in (q_bar, do_bar, lse_bar, delta_bar):
             plgpu.barrier_wait(bar.at[wg])
         lse2 = mc.load_vector(lse_smem.at[wg], mc.ROW)

@@ -59,9 +59,7 @@ def _fwd_kernel(*refs, plan: AttentionPlan, bk: int, stages: int, group: int, e:
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_start, BQ), h], q_smem, q_bar.at[wg])
         q_seg = None
         if plan.has_seg:
-            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q_start, BQ)], qseg_smem.at[wg], qseg_bar.at[wg])
-            plgpu.barrier_wait(qseg_bar.at[wg])
-            q_seg = mc.load_vector(qseg_smem.at[wg], mc.ROW)
+            q_seg = mc.owned_ids(qseg_ref.at[b, pl.ds(q_start, BQ)], qseg_smem.at[wg], qseg_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         n_full, n_mine = kv_loop_bounds(plan, q_start, BQ, bk)
 

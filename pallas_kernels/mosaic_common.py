@@ -40,6 +40,13 @@ def load_vector(ref, layout):
     return plgpu.load(ref, layout=layout)
 
 
+def owned_ids(ids_gmem, ids_smem, barrier):
+    """A consumer's own segment ids (one per row of its tiles): TMA into SMEM, wait, load as ROW."""
+    plgpu.copy_gmem_to_smem(ids_gmem, ids_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return load_vector(ids_smem, ROW)
+
+
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile (e.g. a query's lse)
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a wgmma tile
 
