@@ -3,7 +3,7 @@ from pallas_kernels.attention_plan import FlashAttentionBlockSizes, MosaicBlockS
 from pallas_kernels.attention_reference import flash_attention_reference
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                                           linear_cross_entropy_reference)
-from pallas_kernels.flash_attention import flash_attention, flash_attention_backward
+from pallas_kernels.flash_attention import flash_attention, flash_attention_backward, mosaic_unavailable
 from pallas_kernels.grouped_matmul import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 from pallas_kernels.rms_norm import RmsNormBlockSizes, rms_norm, rms_norm_reference
 
@@ -20,6 +20,7 @@ __all__ = [
     "grouped_matmul_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "mosaic_unavailable",
     "rms_norm",
     "rms_norm_reference",
 ]

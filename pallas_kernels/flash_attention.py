@@ -69,19 +69,25 @@ def _clamp_blocks(bs: FlashAttentionBlockSizes, t: int, s: int) -> FlashAttentio
         block_q_dq=min(bs.block_q_dq, tq), block_k_dq=min(bs.block_k_dq, tk))
 
 
-def _pick_backend(backend: str, q, e_pad: int, interpret: bool) -> str:
+def mosaic_unavailable(head_dim: int, dtype, interpret: bool = False) -> str | None:
+    """Why the Mosaic GPU kernels cannot run attention of this head dim and dtype here; None if they can."""
+    e_pad = max(16, next_pow2(head_dim))
+    if interpret:
+        return "interpret mode runs the Triton kernels (Mosaic GPU's interpreter lacks wgmma operand transposes)"
+    if not is_hopper():
+        return "the Mosaic GPU kernels need a Hopper GPU (sm_90)"
+    if e_pad not in (64, 128):
+        return f"the Mosaic GPU kernels take head dims 64 and 128 (this one pads to {e_pad})"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"the Mosaic GPU kernels take bfloat16 or float16 (got {jnp.dtype(dtype)})"
+    return None
+
+
+def _pick_backend(backend: str, q, interpret: bool) -> str:
     """The backend that runs this call; 'mosaic' asked for where it cannot run is an error."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    why_not = None
-    if interpret:
-        why_not = "interpret mode runs the Triton kernels (Mosaic GPU's interpreter lacks wgmma operand transposes)"
-    elif not is_hopper():
-        why_not = "the Mosaic GPU kernels need a Hopper GPU (sm_90)"
-    elif e_pad not in (64, 128):
-        why_not = f"the Mosaic GPU kernels take head dims 64 and 128 (this one pads to {e_pad})"
-    elif q.dtype not in (jnp.bfloat16, jnp.float16):
-        why_not = f"the Mosaic GPU kernels take bfloat16 or float16 (got {q.dtype})"
+    why_not = mosaic_unavailable(q.shape[-1], q.dtype, interpret)
     if backend == "mosaic" and why_not:
         raise ValueError(f"backend='mosaic' cannot run here: {why_not}; use backend='auto' or 'triton'")
     if backend == "auto":
@@ -98,7 +104,7 @@ def _plan(q, k, v, segment_ids, causal, sm_scale, block_sizes, interpret, backen
     b, t, h, e = q.shape
     s = k.shape[1]
     e_pad = max(16, next_pow2(e))
-    backend = _pick_backend(backend, q, e_pad, interpret)
+    backend = _pick_backend(backend, q, interpret)
     triton_bs = block_sizes if isinstance(block_sizes, FlashAttentionBlockSizes) else None
     bs = _clamp_blocks(triton_bs or FlashAttentionBlockSizes.for_head_dim(e_pad), t, s)
     mosaic = None

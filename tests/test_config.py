@@ -359,3 +359,12 @@ def test_moe_presets_fill_the_moe_section():
     assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.vocab_size) == (16, 2048, 16, 50304)
     assert (cfg.moe.n_experts, cfg.moe.d_ff_expert, cfg.moe.top_k) == (64, 1024, 4)  # explicit key wins
     assert build_config(None, []).moe.n_experts == 0
+
+
+def test_cli_mosaic_attention_kernel_where_it_cannot_run_is_a_config_error():
+    """model.attention_kernel reaches the kernels; asking for Mosaic GPU on the CPU says why, in one line."""
+    r = run_cli("model.attention=pallas", "model.attention_kernel=mosaic", "train.steps=1")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("config error: ")]
+    assert len(lines) == 1 and "model.attention_kernel=mosaic: interpret mode" in lines[0], r.stderr

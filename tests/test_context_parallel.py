@@ -182,3 +182,23 @@ def test_blockwise_backward_with_merged_rows_equals_autodiff(impl):
     np.testing.assert_allclose(grads[0][0] + grads[1][0], dq_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(jnp.concatenate([grads[0][1], grads[1][1]], axis=1), dk_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(jnp.concatenate([grads[0][2], grads[1][2]], axis=1), dv_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_block_attention_passes_its_kernel_backend_to_both_directions():
+    """model.attention_kernel reaches the ring's blocks: Mosaic asked for in interpret mode is refused
+    by the forward and by the backward alike (and triton runs)."""
+    import jax.numpy as jnp
+
+    from meshtrain.parallel.attention_block import BlockAttention
+
+    q = jnp.ones((1, 16, 2, 16), jnp.float32)
+    pos, seg = jnp.broadcast_to(jnp.arange(16), (1, 16)), jnp.zeros((1, 16), jnp.int32)
+    mosaic = BlockAttention("pallas", document_mask=False, interpret=True, backend="mosaic")
+    with pytest.raises(ValueError, match="backend='mosaic' cannot run here"):
+        mosaic.forward(q, q, q, pos, seg, pos, seg, causal=True)
+    lse = jnp.zeros((1, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="backend='mosaic' cannot run here"):
+        mosaic.backward(q, q, q, pos, seg, pos, seg, q, lse, q, causal=True)
+    triton = BlockAttention("pallas", document_mask=False, interpret=True, backend="triton")
+    o, _ = triton.forward(q, q, q, pos, seg, pos, seg, causal=True)
+    np.testing.assert_allclose(o, q, rtol=1e-6)  # v is all ones: every row averages ones

@@ -8,8 +8,9 @@ dtype. Query t sees key s when both are in the same segment and position[s] <= p
              anywhere, in any sequence order (the context-parallel layouts), the numerical yardstick
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"): fused flash attention on NVIDIA
              GPUs; index-causal only, so no document masking (it takes no segment ids)
-  pallas     pallas_kernels.flash_attention (Pallas GPU kernel; interpret mode on CPU); index-causal
-             plus segment ids
+  pallas     pallas_kernels.flash_attention (Pallas GPU kernels; interpret mode on CPU); index-causal
+             plus segment ids. model.attention_kernel picks its kernels: Mosaic GPU on Hopper (auto,
+             mosaic) or Triton
   auto       on a GPU with bf16/fp16: cudnn (measured fastest, docs/PERFORMANCE.md), or pallas when
              documents are masked or the sequence is split over cp/sp; reference elsewhere
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+from meshtrain.config import ConfigError
 from meshtrain.parallel import context
 from meshtrain.sharding import ShardingRules
 
@@ -45,13 +48,15 @@ def resolve(impl: str, dtype: jnp.dtype, document_mask: bool = False, pipelined:
 
 def attention(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions_bt: jax.Array,
               segment_ids_bt: jax.Array, *, impl: str, document_mask: bool, rules: ShardingRules,
-              cp_impl: str = "ring", cp_layout: str = "zigzag") -> jax.Array:
+              cp_impl: str = "ring", cp_layout: str = "zigzag", kernel: str = "auto") -> jax.Array:
     if context.active(rules):  # sequence split over cp/sp: Ulysses and ring attention
         impl = resolve(impl, q_bthe.dtype, document_mask, sequence_sharded=True)
+        check_kernel(impl, kernel, q_bthe)
         return context.context_attention(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, impl=impl,
                                          document_mask=document_mask, cp_impl=cp_impl, cp_layout=cp_layout,
-                                         rules=rules)
+                                         rules=rules, attention_kernel=kernel)
     impl = resolve(impl, q_bthe.dtype, document_mask)
+    check_kernel(impl, kernel, q_bthe)
     if impl == "reference":
         return reference_attention(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt)
     if impl == "cudnn":
@@ -60,8 +65,18 @@ def attention(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True, implementation="cudnn")
     if impl == "pallas":
         from meshtrain.model.kernels import pallas_attention
-        return pallas_attention(q_bthe, k_btke, v_btke, segment_ids_bt if document_mask else None, rules)
+        return pallas_attention(q_bthe, k_btke, v_btke, segment_ids_bt if document_mask else None, rules, kernel)
     raise ValueError(f"model.attention={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
+
+
+def check_kernel(impl: str, kernel: str, q_bthe: jax.Array) -> None:
+    """model.attention_kernel=mosaic where the Mosaic GPU kernels cannot run: a config error that says why."""
+    if impl != "pallas" or kernel != "mosaic":
+        return
+    why = pk.mosaic_unavailable(q_bthe.shape[-1], q_bthe.dtype, interpret=jax.default_backend() == "cpu")
+    if why:
+        raise ConfigError(f"model.attention_kernel=mosaic: {why}; use model.attention_kernel=auto (Mosaic where it "
+                          f"can run, Triton elsewhere) or triton")
 
 
 def visible_mask(q_positions_bt: jax.Array, q_segment_ids_bt: jax.Array, kv_positions_bs: jax.Array,

@@ -22,8 +22,9 @@ def _interpret() -> bool:
 
 
 def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, segment_ids_bt: jax.Array | None,
-                     rules: ShardingRules) -> jax.Array:
-    """Causal flash attention on each device's shard; segment ids (if given) mask documents."""
+                     rules: ShardingRules, backend: str = "auto") -> jax.Array:
+    """Causal flash attention on each device's shard; segment ids (if given) mask documents. backend:
+    the kernels' (model.attention_kernel)."""
     h, kv = q_bthe.shape[2], k_bske.shape[2]
     tp = rules.mesh.shape["tp"]
     kv_split = kv % tp == 0  # otherwise every tp shard holds all kv heads (replicated, Megatron style)
@@ -36,7 +37,8 @@ def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, se
             first = jax.lax.axis_index("tp") * (h // tp)
             k = jax.lax.dynamic_slice_in_dim(k, first // (h // kv), 1, axis=2)
             v = jax.lax.dynamic_slice_in_dim(v, first // (h // kv), 1, axis=2)
-        return pk.flash_attention(q, k, v, causal=True, segment_ids=seg[0] if seg else None, interpret=interpret)
+        return pk.flash_attention(q, k, v, causal=True, segment_ids=seg[0] if seg else None, interpret=interpret,
+                                  backend=backend)
 
     if segment_ids_bt is None:
         return shard_local(local, rules, (Q, KV, KV), Q)(q_bthe, k_bske, v_bske)

@@ -90,7 +90,7 @@ class Attention(nn.Module):
         else:
             o_bthe = attention(q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, impl=c.attention,
                                document_mask=self.document_mask, rules=r, cp_impl=c.cp_impl,
-                               cp_layout=c.cp_layout)
+                               cp_layout=c.cp_layout, kernel=c.attention_kernel)
         o_bthe = checkpoint_name(r.constrain(o_bthe, ("batch", "act_seq", "act_heads", None)), "attn_out")
         return checkpoint_name(site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed), "attn_proj")
 

@@ -30,6 +30,7 @@ class BlockAttention:
     impl: str  # "reference" (jnp, fp32 scores) or "pallas" (flash kernels)
     document_mask: bool  # pallas only: pass segment ids (the jnp block always masks by segment)
     interpret: bool = False  # pallas interpret mode (CPU)
+    backend: str = "auto"  # pallas only: the flash kernels' backend (model.attention_kernel)
 
     def __post_init__(self):
         if self.impl not in IMPLEMENTATIONS:
@@ -39,7 +40,7 @@ class BlockAttention:
         if self.impl == "pallas":
             seg = (q_seg_bt, kv_seg_bs) if self.document_mask else None
             o_bthe, lse_bht = pk.flash_attention(q_bthe, k_bske, v_bske, causal=causal, segment_ids=seg,
-                                                 return_lse=True, interpret=self.interpret)
+                                                 return_lse=True, interpret=self.interpret, backend=self.backend)
             return o_bthe.astype(jnp.float32), lse_bht
         visible_bts = _visible(q_pos_bt, q_seg_bt, kv_pos_bs, kv_seg_bs)
         return _jnp_forward(q_bthe, k_bske, v_bske, visible_bts)
@@ -49,7 +50,7 @@ class BlockAttention:
         if self.impl == "pallas":
             seg = (q_seg_bt, kv_seg_bs) if self.document_mask else None
             grads = pk.flash_attention_backward(q_bthe, k_bske, v_bske, o_bthe, lse_bht, do_bthe, causal=causal,
-                                                segment_ids=seg, interpret=self.interpret)
+                                                segment_ids=seg, interpret=self.interpret, backend=self.backend)
             return tuple(g.astype(jnp.float32) for g in grads)
         visible_bts = _visible(q_pos_bt, q_seg_bt, kv_pos_bs, kv_seg_bs)
         return _jnp_backward(q_bthe, k_bske, v_bske, visible_bts, o_bthe, lse_bht, do_bthe)
