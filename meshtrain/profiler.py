@@ -24,8 +24,8 @@ import jax
 
 from meshtrain.config import RunConfig, profile_range
 # The names the trace and its reader share: the host annotation around each traced step, and the file
-# holding the traced step's optimized HLO (profile_table imports nothing but the standard library).
-from meshtrain.profile_table import PROGRAM_FILE, STEP_MARKER
+# holding the traced step's optimized HLO (profile_trace imports nothing but the standard library).
+from meshtrain.profile_trace import PROGRAM_FILE, STEP_MARKER
 
 
 class StepTrace:

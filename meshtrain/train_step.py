@@ -244,7 +244,7 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, Batch], tuple[TrainSt
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        # The scope names the fused update's kernels in a profile (meshtrain/profile_table.py).
+        # The scope names the fused update's kernels in a profile (meshtrain/profile_trace.py).
         with jax.named_scope("optimizer"):
             updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
             params = keep(optax.apply_updates(state.params, updates), state.params)

@@ -70,7 +70,8 @@ def one_run(a) -> dict:
     from meshtrain.gemm_report import gemm_report
     from meshtrain.mesh import build_mesh
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
-    from meshtrain.profile_table import STEP_MARKER, format_table, profile_report
+    from meshtrain.profile_table import format_table, profile_report
+    from meshtrain.profile_trace import STEP_MARKER
     from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
 
     path, overrides = SHAPES[a.shape]

@@ -11,8 +11,9 @@ import yaml
 
 from helpers import run_cli
 from meshtrain.config import ConfigError, build_config, validate
-from meshtrain.profile_table import (PROGRAM_FILE, Kernel, classify, main, profile_report, program_scopes,
-                                     self_time_pieces)
+from meshtrain.profile_table import main, profile_report
+from meshtrain.profile_timeline import self_time_pieces
+from meshtrain.profile_trace import PROGRAM_FILE, Kernel, classify, program_scopes
 
 # ------------------------------------------------------------------------------------------- config
 
