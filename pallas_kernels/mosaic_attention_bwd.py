@@ -147,7 +147,7 @@ def _dq_kernel(*refs, plan: AttentionPlan, bk: int, stages: int, group: int, e: 
     q_smem, do_smem, lse_smem, delta_smem, qseg_smem, k_smem, v_smem, kseg_smem = smem
     q_bar, do_bar, lse_bar, delta_bar, qseg_bar, k_bar, v_bar, kseg_bar, k_used, v_used = bars
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    kh = lax.div(h, mc.i32(group))
+    kh = lax.div(h, jnp.int32(group))
     cta_start = lax.axis_index("q_blocks") * (mc.N_CONSUMERS * BQ)
     _, n_cta = kv_loop_bounds(plan, cta_start + BQ, BQ, bk)
     scale = plan.sm_scale * LOG2E
@@ -214,10 +214,6 @@ def _dq_kernel(*refs, plan: AttentionPlan, bk: int, stages: int, group: int, e: 
         mc.producer_loop(n_cta, stages, [(k_used, copy_k), (v_used, copy_v)])
 
 
-def _bars(n: int, count: int, arrivals: int = 1):
-    return tuple(plgpu.Barrier(num_arrivals=arrivals, num_barriers=n) for _ in range(count))
-
-
 def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: AttentionPlan):
     """Padded inputs -> (dq [B, Tp, H, E], dk, dv [B, Sp, K, E]) in q.dtype."""
     b, t_pad, h, e = q.shape
@@ -239,7 +235,7 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
             vec_smem(st, bq), seg_smem(st, bq),
             mc.tile_smem((n_c, BK, bq), dtype) if atomic else None,
             mc.tile_smem((n_c, bq, e), jnp.float32) if atomic else None)
-    bars = _bars(n_c, 3) + _bars(st, 5) + _bars(st, 1, arrivals=n_c)
+    bars = mc.barriers(n_c, 3) + mc.barriers(st, 5) + mc.barriers(st, 1, arrivals=n_c)
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     # dQ summed over key blocks by TMA reduce-adds into a zeroed fp32 buffer that the kernel writes.
     dq_acc = [jax.new_ref(jnp.zeros((b, t_pad, h, e), jnp.float32))] if atomic else []
@@ -258,7 +254,7 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
     smem = (mc.tile_smem((n_c, BQ, e), dtype), mc.tile_smem((n_c, BQ, e), dtype), vec_smem(n_c, BQ),
             vec_smem(n_c, BQ), seg_smem(n_c, BQ), mc.tile_smem((st, bk, e), dtype),
             mc.tile_smem((st, bk, e), dtype), seg_smem(st, bk))
-    bars = _bars(n_c, 5) + _bars(st, 3) + _bars(st, 2, arrivals=n_c)
+    bars = mc.barriers(n_c, 5) + mc.barriers(st, 3) + mc.barriers(st, 2, arrivals=n_c)
     (dq,) = mc.launch(
         functools.partial(_dq_kernel, plan=plan, bk=bk, stages=st, group=group, e=e, dtype=dtype),
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype)], scratch_types=[smem, bars],

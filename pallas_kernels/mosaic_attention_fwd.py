@@ -41,7 +41,7 @@ def _fwd_kernel(*refs, plan: AttentionPlan, bk: int, stages: int, group: int, e:
     qo_smem, k_smem, v_smem, lse_smem, qseg_smem, kseg_smem = smem
     q_bar, qseg_bar, k_bar, v_bar, kseg_bar, k_used, v_used, turn = bars
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    kh = lax.div(h, mc.i32(group))
+    kh = lax.div(h, jnp.int32(group))
     cta_start = lax.axis_index("q_blocks") * (mc.N_CONSUMERS * BQ)
     # The CTA's later rows see the most keys: the producer streams what they need.
     _, n_cta = kv_loop_bounds(plan, cta_start + BQ, BQ, bk)
@@ -140,12 +140,9 @@ def mosaic_attention_forward(q, k, v, q_seg, kv_seg, plan: AttentionPlan):
             mc.tile_smem((stages, bk, e), q.dtype), plgpu.SMEM((n_c, BQ), jnp.float32),
             plgpu.SMEM((n_c, BQ), jnp.int32) if plan.has_seg else None,
             plgpu.SMEM((stages, bk), jnp.int32) if plan.has_seg else None)
-    bars = (plgpu.Barrier(num_barriers=n_c), plgpu.Barrier(num_barriers=n_c),
-            plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=n_c, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=n_c, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=n_c))
+    # q, q ids | k, v, k ids | k released, v released | the consumers' turns
+    bars = (mc.barriers(n_c, 2) + mc.barriers(stages, 3) + mc.barriers(stages, 2, arrivals=n_c)
+            + mc.barriers(1, 1, arrivals=n_c))
     args = [q, k, v] + ([q_seg, kv_seg] if plan.has_seg else [])
     o, lse = mc.launch(
         functools.partial(_fwd_kernel, plan=plan, bk=bk, stages=stages, group=h // kh, e=e, dtype=q.dtype),

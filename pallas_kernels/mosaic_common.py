@@ -167,12 +167,9 @@ def drain(lo, hi, stages: int, data_barriers, released, extra=None):
     lax.fori_loop(lo, hi, body, None)
 
 
-def i32(x):
-    return jnp.asarray(x, jnp.int32)
-
-
-def cdiv(a, b: int):
-    return lax.div(a + (b - 1), i32(b))
+def barriers(n: int, count: int, arrivals: int = 1) -> tuple:
+    """`count` arrays of `n` barriers, each completing a phase after `arrivals` arrives (or one TMA)."""
+    return tuple(plgpu.Barrier(num_arrivals=arrivals, num_barriers=n) for _ in range(count))
 
 
 def is_hopper() -> bool:
