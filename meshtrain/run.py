@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if on_cpu:
         simulate_cpu_devices(cfg.run.cpu_devices)
-    xla_flags.apply(cfg.precision.matmul)  # before jax starts its backend
+    xla_flags.apply_config(cfg)  # before jax starts its backend
     try:
         return train_from(cfg)
     except KeyboardInterrupt:  # Ctrl-C before the loop took over the signal (start-up, loading, compiling)

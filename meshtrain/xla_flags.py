@@ -6,6 +6,15 @@ autotuner compiles Triton candidates for every fp8 dot; on one H100 (jax 0.11.2)
 it compiled and ran in 49 s in all, every fp8 dot a cuBLASLt fp8 GEMM (docs/PERFORMANCE.md). bf16 runs
 are left alone: their GEMMs go to cuBLAS either way.
 
+Tensor parallelism with `mesh.tp_overlap=windowed_einsum`: XLA's SPMD partitioner turns a matmul whose
+operand must first be all-gathered over tp (sequence parallelism's gather before the column-parallel
+matmuls) or whose result is reduce-scattered (after the row-parallel ones) into a loop of partial
+matmuls, each overlapped with the collective-permute that brings the next shard ("collective matmul";
+Wang et al., ASPLOS 2023). The threshold 0 makes every such matmul a candidate; multi-streamed runs the
+permutes and the matmuls on separate streams; memcpy p2p moves a single process's shards by copies.
+These flags only act on GPUs; with tp=1 nothing is added, because the same rewrite would also apply to
+fsdp's weight gathers, which the latency-hiding scheduler already overlaps.
+
 A flag the user already set in XLA_FLAGS wins.
 """
 from __future__ import annotations
@@ -13,16 +22,28 @@ from __future__ import annotations
 import os
 
 FP8_GPU_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+TP_OVERLAP_GPU_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
+                        "--xla_gpu_multi_streamed_windowed_einsum=true",
+                        "--xla_gpu_use_memcpy_local_p2p=true")
 
 
-def flags_for(matmul_recipe: str) -> tuple[str, ...]:
-    return FP8_GPU_FLAGS if matmul_recipe.startswith("fp8") else ()
+def flags_for(matmul_recipe: str, tp: int = 1, tp_overlap: str = "none") -> tuple[str, ...]:
+    """The flags for a config's matmul recipe and tensor-parallel layout (tp=-1: the rest, maybe > 1)."""
+    flags = FP8_GPU_FLAGS if matmul_recipe.startswith("fp8") else ()
+    if tp != 1 and tp_overlap == "windowed_einsum":
+        flags += TP_OVERLAP_GPU_FLAGS
+    return flags
 
 
-def apply(matmul_recipe: str, environ=os.environ) -> list[str]:
-    """Append the recipe's flags to XLA_FLAGS (unless that flag is already named); returns those added."""
+def apply_config(cfg, environ=os.environ) -> list[str]:
+    """`apply` for a whole Config: what `python -m meshtrain.run` calls before jax starts."""
+    return apply(flags_for(cfg.precision.matmul, cfg.mesh.tp, cfg.mesh.tp_overlap), environ)
+
+
+def apply(flags: tuple[str, ...], environ=os.environ) -> list[str]:
+    """Append these flags to XLA_FLAGS (unless that flag is already named); returns those added."""
     current = environ.get("XLA_FLAGS", "")
-    added = [f for f in flags_for(matmul_recipe) if f.split("=")[0] not in current]
+    added = [f for f in flags if f.split("=")[0] not in current]
     if added:
         environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added

@@ -59,7 +59,7 @@ def one_run(a) -> dict:
     """Child process: build, compile, time and train one (shape, recipe)."""
     from meshtrain import xla_flags
 
-    xla_flags.apply(a.recipe)  # as `python -m meshtrain.run` does, before jax starts its backend
+    xla_flags.apply(xla_flags.flags_for(a.recipe))  # as `python -m meshtrain.run` does, before jax starts its backend
     import jax
     import numpy as np
 

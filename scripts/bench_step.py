@@ -11,6 +11,7 @@ import json
 import jax
 
 from benchtime import time_train_steps
+from meshtrain import xla_flags
 from meshtrain.config import load_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
 from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     cfg = load_config(a.config, a.overrides)
+    xla_flags.apply_config(cfg)  # as `python -m meshtrain.run` does, before jax starts its backend
     degrees = validate(cfg, jax.device_count())
     cfg = with_mesh(cfg, degrees)
     mesh = build_mesh(degrees)

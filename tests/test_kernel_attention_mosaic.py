@@ -9,6 +9,7 @@ Tolerance: relative L2 error 2e-2 for bf16/fp16, as for the Triton kernel: p (an
 backward) is rounded to the input dtype before its second matmul, 2^-8 relative per element in bf16.
 """
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,19 @@ def test_mosaic_matches_reference(case):
         assert np.isfinite(np.asarray(g, np.float32)).all(), f"{name}: non-finite values"
         errors[name] = _rel(g, w)
     assert max(errors.values()) < TOL, {n: f"{err:.2e}" for n, err in errors.items()}
+
+
+@pytest.mark.gpu
+@hopper
+def test_default_path_prints_no_deprecation_warning(capfd):
+    # jax 0.11 warns at every call of a Pallas kernel lowered through Triton; `auto` on Hopper runs none.
+    q, k, v, do, _ = _inputs(0, 1, 256, 256, 4, 2, 128, jnp.bfloat16)
+    loss = lambda q, k, v: jnp.vdot(flash_attention(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)], [str(w.message) for w in caught]
+    assert "deprecat" not in capfd.readouterr().err.lower()
 
 
 def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():

@@ -30,6 +30,10 @@ class MeshConfig:
     sp: int = 1
     tp: int = 1
     sequence_parallel: bool = False  # Megatron SP: norm/residual activations sharded on seq over tp
+    # How tp's collectives meet the matmuls beside them: "none" (XLA's default schedule) or
+    # "windowed_einsum" (GPU: XLA's collective matmul, each shard's matmul overlapped with the next
+    # shard's transfer; meshtrain/xla_flags.py). No effect with tp=1 or on CPUs.
+    tp_overlap: Literal["none", "windowed_einsum"] = "none"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One machine, one JAX process per GPU: the multi-host layout of scripts/slurm_train.sh on a single host.
+#
+#   bash scripts/launch_local.sh 2 --config configs/llama1b_h100.yaml mesh.fsdp=-1 train.global_batch=16
+#
+# The first argument is the number of processes (default: every GPU nvidia-smi lists); the rest go to
+# `python -m meshtrain.run` in every process. Process i drives GPU i (distributed.local_device_ids=i) and
+# they meet through jax.distributed on the loopback (JAX_COORDINATOR_ADDRESS, any free port: PORT).
+# Only process 0 prints progress and writes metrics; the others' output goes to <LOG_DIR>/process_<i>.log.
+# When one process fails, the others are stopped instead of waiting in a collective for ever.
+# PYTHON names the interpreter that has meshtrain (default: python).
+set -uo pipefail
+N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+shift || true
+if ! [[ "$N" =~ ^[1-9][0-9]*$ ]]; then
+    echo "launch_local.sh: the first argument is the number of processes (one per GPU), got '$N'" >&2
+    exit 2
+fi
+PORT=${PORT:-8476}
+PYTHON=${PYTHON:-python}
+LOG_DIR=${LOG_DIR:-/tmp/meshtrain_launch}
+mkdir -p "$LOG_DIR"
+export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT JAX_NUM_PROCESSES=$N
+
+pids=()
+for ((i = 0; i < N; i++)); do
+    if ((i == 0)); then
+        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" distributed.local_device_ids=$i &
+    else
+        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" distributed.local_device_ids=$i run.progress=false \
+            > "$LOG_DIR/process_$i.log" 2>&1 &
+    fi
+    pids+=($!)
+done
+trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
+
+status=0
+for ((left = N; left > 0; left--)); do
+    wait -n
+    rc=$?
+    if ((rc != 0)); then
+        echo "launch_local.sh: a process exited with $rc; stopping the others (logs: $LOG_DIR)" >&2
+        kill "${pids[@]}" 2>/dev/null
+        status=$rc
+        break
+    fi
+done
+wait
+exit $status

@@ -1,0 +1,40 @@
+"""The XLA flags a config sets before jax starts (meshtrain/xla_flags.py)."""
+from meshtrain import xla_flags
+from meshtrain.config import load_config
+
+TP_FLAGS = set(xla_flags.TP_OVERLAP_GPU_FLAGS)
+
+
+def flags(*overrides) -> list[str]:
+    env = {}
+    xla_flags.apply_config(load_config(None, list(overrides)), env)
+    return env.get("XLA_FLAGS", "").split()
+
+
+def test_default_config_sets_nothing():
+    assert flags() == []
+
+
+def test_fp8_turns_triton_gemms_off():
+    assert flags("precision.matmul=fp8_delayed") == list(xla_flags.FP8_GPU_FLAGS)
+
+
+def test_tp_overlap_only_with_tensor_parallelism():
+    assert set(flags("mesh.fsdp=1", "mesh.tp=2", "mesh.tp_overlap=windowed_einsum")) == TP_FLAGS
+    assert set(flags("mesh.fsdp=1", "mesh.tp=-1", "mesh.tp_overlap=windowed_einsum")) == TP_FLAGS  # the rest: may be > 1
+    assert flags("mesh.tp=1", "mesh.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
+    assert flags("mesh.fsdp=1", "mesh.tp=2") == []
+
+
+def test_a_flag_the_user_set_wins():
+    env = {"XLA_FLAGS": "--xla_gpu_threshold_for_windowed_einsum_mib=64"}
+    added = xla_flags.apply(xla_flags.TP_OVERLAP_GPU_FLAGS, env)
+    assert "--xla_gpu_threshold_for_windowed_einsum_mib=0" not in added and len(added) == 2
+    assert env["XLA_FLAGS"].split()[0] == "--xla_gpu_threshold_for_windowed_einsum_mib=64"
+
+
+def test_unknown_overlap_is_a_config_error(capsys):
+    from meshtrain.run import main
+    assert main(["mesh.tp_overlap=ring"]) == 2
+    err = capsys.readouterr().err
+    assert "mesh.tp_overlap" in err and "windowed_einsum" in err
