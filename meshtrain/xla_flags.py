@@ -13,7 +13,15 @@ matmuls, each overlapped with the collective-permute that brings the next shard 
 Wang et al., ASPLOS 2023). The threshold 0 makes every such matmul a candidate; multi-streamed runs the
 permutes and the matmuls on separate streams; memcpy p2p moves a single process's shards by copies.
 These flags only act on GPUs; with tp=1 nothing is added, because the same rewrite would also apply to
-fsdp's weight gathers, which the latency-hiding scheduler already overlaps.
+fsdp's weight gathers, which the latency-hiding scheduler already overlaps. Measured on 2 H100s
+(docs/PERFORMANCE.md): right (losses within 4e-4 of fsdp) but its steps take 15-16% longer than
+without it on an 8B-shaped stack, so it is not the default.
+
+FSDP (`mesh.fsdp_combine_mib`, default 128): XLA combines the per-layer all-gathers and reduce-scatters
+of the sharded weights and gradients into collectives of up to this size. On 2 H100s with the 1B config
+and ZeRO-3 this took the step from 296.6-297.4 to 292.5-293.4 ms (two interleaved pairs in one call);
+512 MiB gave 295.7 ms, and the 8B-shaped stack did not move (274.0 vs 273.4 ms). A later call, with
+this default on, measured 297.2 ms, so the gain is at the edge of the run-to-run spread.
 
 A flag the user already set in XLA_FLAGS wins.
 """
@@ -27,17 +35,26 @@ TP_OVERLAP_GPU_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0",
                         "--xla_gpu_use_memcpy_local_p2p=true")
 
 
-def flags_for(matmul_recipe: str, tp: int = 1, tp_overlap: str = "none") -> tuple[str, ...]:
-    """The flags for a config's matmul recipe and tensor-parallel layout (tp=-1: the rest, maybe > 1)."""
+def fsdp_combine_flags(mib: int) -> tuple[str, ...]:
+    return (f"--xla_gpu_all_gather_combine_threshold_bytes={mib << 20}",
+            f"--xla_gpu_reduce_scatter_combine_threshold_bytes={mib << 20}")
+
+
+def flags_for(matmul_recipe: str, tp: int = 1, tp_overlap: str = "none", fsdp: int = 1,
+              fsdp_combine_mib: int = 0) -> tuple[str, ...]:
+    """The flags for a config's matmul recipe and layout. A degree of -1 takes the rest: maybe > 1."""
     flags = FP8_GPU_FLAGS if matmul_recipe.startswith("fp8") else ()
     if tp != 1 and tp_overlap == "windowed_einsum":
         flags += TP_OVERLAP_GPU_FLAGS
+    if fsdp != 1 and fsdp_combine_mib > 0:
+        flags += fsdp_combine_flags(fsdp_combine_mib)
     return flags
 
 
 def apply_config(cfg, environ=os.environ) -> list[str]:
     """`apply` for a whole Config: what `python -m meshtrain.run` calls before jax starts."""
-    return apply(flags_for(cfg.precision.matmul, cfg.mesh.tp, cfg.mesh.tp_overlap), environ)
+    m = cfg.mesh
+    return apply(flags_for(cfg.precision.matmul, m.tp, m.tp_overlap, m.fsdp, m.fsdp_combine_mib), environ)
 
 
 def apply(flags: tuple[str, ...], environ=os.environ) -> list[str]:

@@ -1,7 +1,7 @@
 """Time meshtrain's jitted train step the way the peers time theirs: warm up, then the median of
 individually synchronized steps. Prints one line (and appends it as JSON to --out).
 
-  python scripts/bench_step.py --config configs/llama1b_h100.yaml [key=value ...] [--steps 10] [--out f.jsonl]
+  python scripts/bench_step.py [--config configs/llama1b_h100.yaml] [key=value ...] [--steps 10] [--out f.jsonl]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from meshtrain.train_step import build_setup, init_state, make_batches, make_tra
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", default=None, help="YAML config (default: the built-in defaults)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")

@@ -11,18 +11,32 @@ def flags(*overrides) -> list[str]:
     return env.get("XLA_FLAGS", "").split()
 
 
-def test_default_config_sets_nothing():
-    assert flags() == []
+NO_FSDP = ("mesh.fsdp=1",)
+COMBINE_128 = ["--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+               "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728"]
+
+
+def test_default_config_combines_fsdp_collectives():
+    assert flags() == COMBINE_128  # the default mesh.fsdp=-1 may be > 1
+    assert flags("mesh.fsdp=2", "mesh.fsdp_combine_mib=512")[0].endswith(f"={512 << 20}")
+    assert flags("mesh.fsdp_combine_mib=0") == [] and flags(*NO_FSDP) == []
+
+
+def test_negative_combine_size_is_a_config_error(capsys):
+    from meshtrain.run import main
+    assert main(["mesh.fsdp_combine_mib=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "mesh.fsdp_combine_mib=-1" in err and ">= 0" in err
 
 
 def test_fp8_turns_triton_gemms_off():
-    assert flags("precision.matmul=fp8_delayed") == list(xla_flags.FP8_GPU_FLAGS)
+    assert flags(*NO_FSDP, "precision.matmul=fp8_delayed") == list(xla_flags.FP8_GPU_FLAGS)
 
 
 def test_tp_overlap_only_with_tensor_parallelism():
     assert set(flags("mesh.fsdp=1", "mesh.tp=2", "mesh.tp_overlap=windowed_einsum")) == TP_FLAGS
     assert set(flags("mesh.fsdp=1", "mesh.tp=-1", "mesh.tp_overlap=windowed_einsum")) == TP_FLAGS  # the rest: may be > 1
-    assert flags("mesh.tp=1", "mesh.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
+    assert flags(*NO_FSDP, "mesh.tp=1", "mesh.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
     assert flags("mesh.fsdp=1", "mesh.tp=2") == []
 
 

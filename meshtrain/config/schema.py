@@ -34,6 +34,9 @@ class MeshConfig:
     # "windowed_einsum" (GPU: XLA's collective matmul, each shard's matmul overlapped with the next
     # shard's transfer; meshtrain/xla_flags.py). No effect with tp=1 or on CPUs.
     tp_overlap: Literal["none", "windowed_einsum"] = "none"
+    # GPU: XLA combines fsdp's all-gathers and reduce-scatters into collectives of up to this many MiB
+    # (fewer, larger transfers, each easier to hide); 0 keeps XLA's own threshold. meshtrain/xla_flags.py.
+    fsdp_combine_mib: int = 128
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     for name in ("steps", "global_batch", "grad_accum", "log_every"):
         need(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)}: must be >= 1")
     need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
+    need(cfg.mesh.fsdp_combine_mib >= 0, f"mesh.fsdp_combine_mib={cfg.mesh.fsdp_combine_mib}: must be >= 0 "
+                                         f"(MiB; 0 keeps XLA's own combine threshold)")
     need(m.head_dim >= 0, f"model.head_dim={m.head_dim}: must be >= 1, or 0 for d_model // n_heads")
     if len(problems) > n_mesh_problems:  # sizes below 1 would divide by zero in the checks that follow
         raise ConfigError(problems)
