@@ -87,7 +87,7 @@ def train_from(cfg) -> int:
     from meshtrain.trainer import NonFiniteError, train
 
     try:
-        initialize_distributed(cfg.distributed)
+        multi_process = initialize_distributed(cfg.distributed)
         try:
             degrees = validate(cfg, jax.device_count())
             problems = []
@@ -127,6 +127,8 @@ def train_from(cfg) -> int:
         first, last = result.records[0], result.records[-1]
         print(f"done: step {result.final_step}, loss {first['loss']:.4f} (step {first['step']}) -> "
               f"{last['loss']:.4f} (step {last['step']}); metrics in {cfg.run.dir}/metrics.jsonl", flush=True)
+    if multi_process:  # leave together: a process that exits first makes the others log connection errors
+        jax.distributed.shutdown()
     return 0
 
 
