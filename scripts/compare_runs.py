@@ -25,12 +25,13 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 def summarize(run_dir: str, after: int) -> dict:
     recs = [r for r in read_metrics(run_dir) if "loss" in r and "step_time_s" in r]
-    steady = [r["step_time_s"] for r in recs if r["step"] > after and not r.get("includes_compile")]
+    steady = [r for r in recs if r["step"] > after and not r.get("includes_compile")]
+    times = [r["step_time_s"] for r in steady]
+    mfus = [r["mfu"] for r in steady if r.get("mfu")]  # none on a CPU
     return dict(run=run_dir, losses={r["step"]: r["loss"] for r in recs},
-                step_ms=statistics.median(steady) * 1e3 if steady else None,
-                step_ms_all=[round(s * 1e3, 1) for s in steady],
-                mfu=statistics.median(r["mfu"] for r in recs if r["step"] > after) if steady and recs[-1].get("mfu")
-                else None)
+                step_ms=statistics.median(times) * 1e3 if times else None,
+                step_ms_all=[round(s * 1e3, 1) for s in times],
+                mfu=statistics.median(mfus) if mfus else None)
 
 
 def main() -> int:

@@ -133,12 +133,16 @@ def _reduce_over_token_shards(partials_ggvd: jax.Array, rules: ShardingRules) ->
     moving the V-split sum to the gradient's sharding is then one all-to-all of the reduced table.
     """
     vocab = partials_ggvd.shape[2]
-    axes = tuple(a for names in rules.spec(TOKEN_AXES) for a in ((names,) if isinstance(names, str) else names or ())
-                 if rules.mesh.shape[a] > 1)
+    axes = tuple(a for a in _mesh_axes(rules.spec(TOKEN_AXES)) if rules.mesh.shape[a] > 1)
     dtable_vd = partials_ggvd.sum(axis=(0, 1))
     if not axes or vocab % math.prod(rules.mesh.shape[a] for a in axes):
         return dtable_vd  # one token shard, or V does not split evenly: the compiler's own plan
     return jax.lax.with_sharding_constraint(dtable_vd, NamedSharding(rules.mesh, P(axes, None)))
+
+
+def _mesh_axes(spec: P) -> list[str]:
+    """Every mesh axis a PartitionSpec names, in order (an entry is None, one axis or a tuple of axes)."""
+    return [a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
 
 
 def token_shards(rules: ShardingRules | None, b: int, t: int) -> tuple[int, int]:
@@ -146,8 +150,7 @@ def token_shards(rules: ShardingRules | None, b: int, t: int) -> tuple[int, int]
     if rules is None:
         return 1, 1
     pieces = []
-    for size, axes in zip((b, t), rules.spec(TOKEN_AXES)):
-        axes = (axes,) if isinstance(axes, str) else (axes or ())
-        n = math.prod(rules.mesh.shape[a] for a in axes)
+    for size, entry in zip((b, t), rules.spec(TOKEN_AXES)):
+        n = math.prod(rules.mesh.shape[a] for a in _mesh_axes(P(entry)))
         pieces.append(n if size % n == 0 else 1)
     return pieces[0], pieces[1]
