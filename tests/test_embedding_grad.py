@@ -145,21 +145,21 @@ def test_sorted_backward_moves_no_token_rows():
         assert np.prod([int(d) for d in dims.split(",")]) <= V * D, (dtype, dims, kind)
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_partial_tables_are_summed_along_the_vocabulary(sequence_parallel):
-    """The sum of the per-shard tables is split along V over exactly the axes that split the tokens
-    (not left for the compiler to reduce-scatter along D, which makes the scatter write D-major)."""
+@pytest.mark.parametrize("sequence_parallel,zero_stage", [(True, 3), (False, 3), (True, 1)])
+def test_partial_tables_are_summed_along_the_vocabulary(sequence_parallel, zero_stage):
+    """Under ZeRO-3 (the table's D split over fsdp) the sum of the per-shard tables is split along V
+    over fsdp, not left for the compiler to reduce-scatter along D (which makes the scatter write
+    D-major); with the table's D whole (ZeRO-1) the compiler's all-reduce is left alone."""
     from meshtrain.model import embedding
 
     degrees = dict(pp=1, dp=1, fsdp=4, ep=1, cp=1, sp=1, tp=2)
-    rules = make_rules(build_mesh(degrees, jax.devices()[:8]), zero_stage=3, sequence_parallel=sequence_parallel,
-                       n_kv_heads=2).params
+    rules = make_rules(build_mesh(degrees, jax.devices()[:8]), zero_stage=zero_stage,
+                       sequence_parallel=sequence_parallel, n_kv_heads=2).params
     tokens_bt = jax.device_put(jnp.asarray(skewed_tokens(4)), rules.sharding(("batch", "act_res_seq")))
     g_btd = jax.device_put(jnp.ones((B, T, D), jnp.bfloat16), rules.sharding(("batch", "act_res_seq", None)))
     sums = jax.jit(lambda t, g: embedding._per_shard_sorted_sums(t, g, V, rules))
     dtable_vd = sums(tokens_bt, g_btd)
-    token_axes = ("fsdp", "tp") if sequence_parallel else ("fsdp",)
-    want_sharding = jax.sharding.NamedSharding(rules.mesh, jax.sharding.PartitionSpec(token_axes, None))
-    assert dtable_vd.sharding.is_equivalent_to(want_sharding, 2), dtable_vd.sharding.spec
+    v_split = jax.sharding.NamedSharding(rules.mesh, jax.sharding.PartitionSpec("fsdp", None))
+    assert dtable_vd.sharding.is_equivalent_to(v_split, 2) == (zero_stage == 3), dtable_vd.sharding.spec
     want = sorted_segment_sum(jnp.asarray(skewed_tokens(4)).reshape(-1), jnp.ones((B * T, D)), V)
     np.testing.assert_allclose(np.asarray(dtable_vd), np.asarray(want), rtol=1e-6)

@@ -22,8 +22,8 @@ Sharding: the forward gathers from a replicated compute-dtype table (as before).
 tokens are split over the batch and sequence shards; the sort runs within each shard's own tokens
 (a sort along a sharded axis would gather every token's gradient row onto every device), each shard
 sums into its own fp32 [V, D] partial, and the partials are added: the same reduction over the
-token shards that the scatter's [V, D] result needed. The sum is split along V over the token shards
-(`_reduce_over_token_shards` says why), then moved into the gradient's own sharding.
+token shards that the scatter's [V, D] result needed. Under ZeRO-3 the sum is split along V over
+fsdp (`_reduce_over_token_shards` says why), then moved into the table's own sharding.
 """
 from __future__ import annotations
 
@@ -123,20 +123,23 @@ def _per_shard_sorted_sums(tokens_bt: jax.Array, g_btd: jax.Array, vocab: int,
 
 
 def _reduce_over_token_shards(partials_ggvd: jax.Array, rules: ShardingRules) -> jax.Array:
-    """Sum the per-shard [V, D] tables, leaving the sum split over the token shards along V.
+    """Sum the per-shard [V, D] tables; where the table's D is split over token axes, split the sum
+    over those axes along V instead.
 
-    Left to itself, XLA reduce-scatters the partials straight into the gradient's own sharding, which
-    under ZeRO-2/3 splits D over fsdp; to make that split contiguous it gives the partials a D-major
-    layout, and the scatter that builds them then writes every row with a stride of V. On two H100s
-    that scatter took 11.8 ms per step for Llama-3-8B's table (V 128256, D 4096, 8192 tokens per GPU;
+    Left to itself, XLA reduce-scatters the partials straight into the table's sharding, which under
+    ZeRO-3 splits D over fsdp; to make that split contiguous it gives the partials a D-major layout,
+    and the scatter that builds them then writes every row with a stride of V. On two H100s that
+    scatter took 11.8 ms per step for Llama-3-8B's table (V 128256, D 4096, 8192 tokens per GPU;
     docs/PROFILE.md). Split along V, the reduction is contiguous in the scatter's own row-major layout;
-    moving the V-split sum to the gradient's sharding is then one all-to-all of the reduced table.
+    moving the V-split sum to the table's sharding is then one all-to-all of the reduced table. Where
+    D is not split (ZeRO-0/1), XLA all-reduces the partials in their row-major layout: left alone.
     """
     vocab = partials_ggvd.shape[2]
-    axes = tuple(a for a in _mesh_axes(rules.spec(TOKEN_AXES)) if rules.mesh.shape[a] > 1)
+    embed_axes = set(_mesh_axes(rules.spec(("embed",))))
+    axes = tuple(a for a in _mesh_axes(rules.spec(TOKEN_AXES)) if a in embed_axes and rules.mesh.shape[a] > 1)
     dtable_vd = partials_ggvd.sum(axis=(0, 1))
     if not axes or vocab % math.prod(rules.mesh.shape[a] for a in axes):
-        return dtable_vd  # one token shard, or V does not split evenly: the compiler's own plan
+        return dtable_vd  # D is not split over the token shards, or V does not split evenly
     return jax.lax.with_sharding_constraint(dtable_vd, NamedSharding(rules.mesh, P(axes, None)))
 
 
