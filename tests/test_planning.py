@@ -120,6 +120,11 @@ def test_replica_group_formats():
     assert col.axes_of(col.replica_groups(text, 8), mesh) == "fsdp"
     assert col.axes_of(col.replica_groups("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", 8), mesh) \
         == "dp,fsdp"
+    # A sub-axis: the middle factor 2 of axis_1 (size 4 = 2 x 2 x 1), as the ZeRO-3 embedding gradient's
+    # V-split all-to-all under sequence parallelism produces it.
+    sub = col.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}", 8)
+    assert sub == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert col.axes_of(sub, mesh) == "tp"
     pairs = col.replica_groups("source_target_pairs={{0,4},{4,0},{1,5},{5,1}}", 8)
     assert col.axes_of(pairs, mesh) == "dp"
 

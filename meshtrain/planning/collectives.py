@@ -92,7 +92,7 @@ def _mesh_groups(axes_text: str, device_ids: str | None, selected: str) -> list[
     dims, keep = [], []
     picked = {a: (int(k) if k else None, int(n) if n else None)
               for a, k, n in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", selected)}
-    for (name, size) in names:
+    for name, size in zip([a for a, _ in names], sizes):
         if name in picked and picked[name][0] is not None:
             k, n = picked[name]
             dims += [k, n, size // (k * n)]
