@@ -6,7 +6,7 @@ autotuner compiles Triton candidates for every fp8 dot; on one H100 (jax 0.11.2)
 it compiled and ran in 49 s in all, every fp8 dot a cuBLASLt fp8 GEMM (docs/PERFORMANCE.md). bf16 runs
 are left alone: their GEMMs go to cuBLAS either way.
 
-Tensor parallelism with `mesh.tp_overlap=windowed_einsum`: XLA's SPMD partitioner turns a matmul whose
+Tensor parallelism with `model.tp_overlap=windowed_einsum`: XLA's SPMD partitioner turns a matmul whose
 operand must first be all-gathered over tp (sequence parallelism's gather before the column-parallel
 matmuls) or whose result is reduce-scattered (after the row-parallel ones) into a loop of partial
 matmuls, each overlapped with the collective-permute that brings the next shard ("collective matmul";
@@ -54,7 +54,7 @@ def flags_for(matmul_recipe: str, tp: int = 1, tp_overlap: str = "none", fsdp: i
 def apply_config(cfg, environ=os.environ) -> list[str]:
     """`apply` for a whole Config: what `python -m meshtrain.run` calls before jax starts."""
     m = cfg.mesh
-    return apply(flags_for(cfg.precision.matmul, m.tp, m.tp_overlap, m.fsdp, m.fsdp_combine_mib), environ)
+    return apply(flags_for(cfg.precision.matmul, m.tp, cfg.model.tp_overlap, m.fsdp, m.fsdp_combine_mib), environ)
 
 
 def apply(flags: tuple[str, ...], environ=os.environ) -> list[str]:

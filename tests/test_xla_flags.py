@@ -34,9 +34,9 @@ def test_fp8_turns_triton_gemms_off():
 
 
 def test_tp_overlap_only_with_tensor_parallelism():
-    assert set(flags("mesh.fsdp=1", "mesh.tp=2", "mesh.tp_overlap=windowed_einsum")) == TP_FLAGS
-    assert set(flags("mesh.fsdp=1", "mesh.tp=-1", "mesh.tp_overlap=windowed_einsum")) == TP_FLAGS  # the rest: may be > 1
-    assert flags(*NO_FSDP, "mesh.tp=1", "mesh.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
+    assert set(flags("mesh.fsdp=1", "mesh.tp=2", "model.tp_overlap=windowed_einsum")) == TP_FLAGS
+    assert set(flags("mesh.fsdp=1", "mesh.tp=-1", "model.tp_overlap=windowed_einsum")) == TP_FLAGS  # the rest: may be > 1
+    assert flags(*NO_FSDP, "mesh.tp=1", "model.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
     assert flags("mesh.fsdp=1", "mesh.tp=2") == []
 
 
@@ -49,6 +49,6 @@ def test_a_flag_the_user_set_wins():
 
 def test_unknown_overlap_is_a_config_error(capsys):
     from meshtrain.run import main
-    assert main(["mesh.tp_overlap=ring"]) == 2
+    assert main(["model.tp_overlap=ring"]) == 2
     err = capsys.readouterr().err
-    assert "mesh.tp_overlap" in err and "windowed_einsum" in err
+    assert "model.tp_overlap" in err and "windowed_einsum" in err

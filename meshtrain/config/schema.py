@@ -30,10 +30,6 @@ class MeshConfig:
     sp: int = 1
     tp: int = 1
     sequence_parallel: bool = False  # Megatron SP: norm/residual activations sharded on seq over tp
-    # How tp's collectives meet the matmuls beside them: "none" (XLA's default schedule) or
-    # "windowed_einsum" (GPU: XLA's collective matmul, each shard's matmul overlapped with the next
-    # shard's transfer; meshtrain/xla_flags.py). No effect with tp=1 or on CPUs.
-    tp_overlap: Literal["none", "windowed_einsum"] = "none"
     # GPU: XLA combines fsdp's all-gathers and reduce-scatters into collectives of up to this many MiB
     # (fewer, larger transfers, each easier to hide); 0 keeps XLA's own threshold. meshtrain/xla_flags.py.
     fsdp_combine_mib: int = 128
@@ -67,6 +63,11 @@ class ModelConfig:
     attention_kernel: Literal["auto", "mosaic", "triton"] = "auto"
     cp_impl: Literal["ring", "allgather"] = "ring"  # context parallelism: K/V round a ring, or all-gathered
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
+    # How tensor parallelism's collectives meet the matmuls beside them. none: GSPMD's collectives, the
+    # latency-hiding scheduler overlaps what it can; windowed_einsum: XLA's own collective matmul (GPU flags,
+    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/collective_matmul.py),
+    # which needs mesh.sequence_parallel, cp = sp = 1 and a bf16/fp16 matmul recipe. No effect with tp = 1.
+    tp_overlap: Literal["none", "windowed_einsum", "collective_matmul"] = "none"
     norm: Literal["reference", "pallas"] = "reference"
     loss: Literal["reference", "fused"] = "reference"
     # The embedding table's gradient (model/embedding.py): scatter (autodiff, atomics in the compute dtype),

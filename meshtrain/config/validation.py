@@ -114,6 +114,8 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
             need(m.attention != "cudnn", f"model.attention=cudnn cannot run with the sequence split (mesh.cp={cp}, "
                                          f"mesh.sp={sp}): it masks by index only; use model.attention=pallas (or auto)")
     problems.extend(validate_moe(cfg, degrees if ok_mesh else None, tp))
+    if ok_mesh and tp > 1 and m.tp_overlap == "collective_matmul":
+        problems.extend(collective_matmul_problems(cfg, degrees))
     if ok_mesh and degrees["pp"] > 1:
         problems.extend(pipeline_problems(cfg, degrees["pp"]))
         need(degrees["cp"] * degrees["sp"] == 1,
@@ -292,4 +294,23 @@ def pipeline_problems(cfg: Config, pp: int) -> list[str]:
     if cfg.data.document_mask and m.attention == "auto":  # auto picks the Pallas kernel on a GPU
         problems.append(f"model.attention=auto with data.document_mask=true and mesh.pp={pp}: the Pallas kernel it "
                         f"picks on a GPU does not run inside a pipeline stage yet; set model.attention=reference")
+    return problems
+
+
+def collective_matmul_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
+    """model.tp_overlap=collective_matmul (parallel/collective_matmul.py): where its ring applies."""
+    fix = "or use model.tp_overlap=none"
+    problems = []
+    if not cfg.mesh.sequence_parallel:
+        problems.append(f"model.tp_overlap=collective_matmul with mesh.tp={degrees['tp']} needs "
+                        f"mesh.sequence_parallel=true (it overlaps sequence parallelism's collectives); set it, {fix}")
+    if degrees["cp"] * degrees["sp"] > 1 or degrees["pp"] > 1:
+        problems.append(f"model.tp_overlap=collective_matmul with mesh.cp={degrees['cp']}, mesh.sp={degrees['sp']}, "
+                        f"mesh.pp={degrees['pp']}: it runs with tp alone splitting the sequence; set them to 1, {fix}")
+    if cfg.precision.matmul != "bf16":
+        problems.append(f"model.tp_overlap=collective_matmul with precision.matmul={cfg.precision.matmul}: it runs "
+                        f"the bf16 recipe only; set precision.matmul=bf16, {fix}")
+    if cfg.moe.n_experts:
+        problems.append(f"model.tp_overlap=collective_matmul with moe.n_experts={cfg.moe.n_experts}: MoE models "
+                        f"are not supported yet; {fix}")
     return problems

@@ -18,8 +18,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.config import ModelConfig
 from meshtrain import fp8
+from meshtrain.parallel import collective_matmul
 from meshtrain.precision import Precision
-from meshtrain.sharding import ShardingRules
+from meshtrain.sharding import LogicalNames, ShardingRules
 
 FP8_META = "fp8_meta"  # variable collection of the fp8_delayed amax histories (train state, not params)
 
@@ -43,6 +44,33 @@ def site_matmul(module: nn.Module, site: str, subscripts: str, x: jax.Array, w: 
         init = lambda: {k: nn.Partitioned(v, (None,)) for k, v in fp8.init_history(n).items()}  # noqa: E731
         meta = nn.unbox(module.variable(FP8_META, site.rsplit(".", 1)[-1], init).value)
     return policy.einsum(subscripts, x, w, site=site, meta=meta)
+
+
+def ring_tp(module: nn.Module) -> bool:
+    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/collective_matmul.py)?"""
+    return collective_matmul.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
+
+
+def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
+                          sites: Sequence[tuple[str, str, jax.Array, LogicalNames, LogicalNames]]) -> list[jax.Array]:
+    """Column-parallel matmuls of the sequence-sharded x_btd, sharing one ring over tp. Each site is
+    (site, subscripts, weight, the weight's logical names, the output's logical names)."""
+    policy: Precision = module.policy
+    ws = [policy.cast(w) for _, _, w, _, _ in sites]  # the ring and any fsdp gather move the compute dtype
+
+    def matmul(x_chunk, ws_local):
+        return [policy.einsum(subscripts, x_chunk, w, site=site) for (site, subscripts, *_), w in zip(sites, ws_local)]
+    return collective_matmul.gather_matmuls(policy.cast(x_btd), ws, [s[3] for s in sites], [s[4] for s in sites],
+                                            matmul, module.rules)
+
+
+def scattered_site_matmul(module: nn.Module, site: str, subscripts: str, h: jax.Array, w: jax.Array,
+                          h_names: LogicalNames, w_names: LogicalNames) -> jax.Array:
+    """A row-parallel matmul whose tp partial sums land on the sequence-sharded residual stream."""
+    policy: Precision = module.policy
+    return collective_matmul.matmul_scatter(policy.cast(h), policy.cast(w), h_names, w_names,
+                                            lambda h_chunk, w_local: policy.einsum(subscripts, h_chunk, w_local,
+                                                                                   site=site), module.rules)
 
 
 def scaled_normal(std: float) -> Callable:
@@ -133,8 +161,19 @@ class SwiGLU(nn.Module):
         w_up_df = param(self, "w_up", init, (c.d_model, c.d_ff), ("embed", "mlp"), p.param_dtype)
         w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("mlp", "embed"),
                           p.param_dtype)
-        gate_btf = site_matmul(self, "mlp.w_gate", "btd,df->btf", x_btd, w_gate_df)
-        up_btf = site_matmul(self, "mlp.w_up", "btd,df->btf", x_btd, w_up_df)
-        hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, ("batch", "act_seq", "act_mlp"))
+        hidden_names = ("batch", "act_seq", "act_mlp")
+        if ring_tp(self):
+            gate_btf, up_btf = gathered_site_matmuls(self, x_btd, [
+                ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), hidden_names),
+                ("mlp.w_up", "btd,df->btf", w_up_df, ("embed", "mlp"), hidden_names)])
+        else:
+            gate_btf = site_matmul(self, "mlp.w_gate", "btd,df->btf", x_btd, w_gate_df)
+            up_btf = site_matmul(self, "mlp.w_up", "btd,df->btf", x_btd, w_up_df)
+        hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, hidden_names)
         hidden_btf = checkpoint_name(hidden_btf, "mlp_hidden")
-        return checkpoint_name(site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd), "mlp_out")
+        if ring_tp(self):
+            out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, hidden_names,
+                                            ("mlp", "embed"))
+        else:
+            out_btd = site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd)
+        return checkpoint_name(out_btd, "mlp_out")

@@ -29,8 +29,8 @@ from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.attention import attention
 from meshtrain.model.embedding import embedding_lookup
 from meshtrain.model.kv_cache import cached_attention
-from meshtrain.model.layers import (FP8_META, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope, param, rope_tables,
-                                     scaled_normal, site_matmul)
+from meshtrain.model.layers import (FP8_META, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope, gathered_site_matmuls,
+                                     param, ring_tp, rope_tables, scaled_normal, scattered_site_matmul, site_matmul)
 from meshtrain.model.moe import LOSSES, METRICS, MoE
 from meshtrain.model.remat import remat_policy
 from meshtrain.precision import Precision
@@ -75,12 +75,18 @@ class Attention(nn.Module):
         wo_hed = param(self, "wo", scaled_normal(self.out_std), (h, e, d), ("heads", "head_dim", "embed"),
                        p.param_dtype)
 
-        q_bthe = r.constrain(site_matmul(self, "attn.wq", "btd,dhe->bthe", x_btd, wq_dhe),
-                             ("batch", "act_seq", "act_heads", None))
-        k_btke = r.constrain(site_matmul(self, "attn.wk", "btd,dke->btke", x_btd, wk_dke),
-                             ("batch", "act_seq", "act_kv_heads", None))
-        v_btke = r.constrain(site_matmul(self, "attn.wv", "btd,dke->btke", x_btd, wv_dke),
-                             ("batch", "act_seq", "act_kv_heads", None))
+        q_names, kv_names = ("batch", "act_seq", "act_heads", None), ("batch", "act_seq", "act_kv_heads", None)
+        if ring_tp(self):  # one ring over tp brings x's sequence chunks to all three projections
+            q_bthe, k_btke, v_btke = gathered_site_matmuls(self, x_btd, [
+                ("attn.wq", "btd,dhe->bthe", wq_dhe, ("embed", "heads", "head_dim"), q_names),
+                ("attn.wk", "btd,dke->btke", wk_dke, ("embed", "kv_heads", "head_dim"), kv_names),
+                ("attn.wv", "btd,dke->btke", wv_dke, ("embed", "kv_heads", "head_dim"), kv_names)])
+        else:
+            q_bthe = site_matmul(self, "attn.wq", "btd,dhe->bthe", x_btd, wq_dhe)
+            k_btke = site_matmul(self, "attn.wk", "btd,dke->btke", x_btd, wk_dke)
+            v_btke = site_matmul(self, "attn.wv", "btd,dke->btke", x_btd, wv_dke)
+        q_bthe = r.constrain(q_bthe, q_names)
+        k_btke, v_btke = r.constrain(k_btke, kv_names), r.constrain(v_btke, kv_names)
         q_bthe = checkpoint_name(apply_rope(q_bthe, info.cos_btf, info.sin_btf), "qkv")
         k_btke = checkpoint_name(apply_rope(k_btke, info.cos_btf, info.sin_btf), "qkv")
         v_btke = checkpoint_name(v_btke, "qkv")
@@ -91,8 +97,13 @@ class Attention(nn.Module):
             o_bthe = attention(q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, impl=c.attention,
                                document_mask=self.document_mask, rules=r, cp_impl=c.cp_impl,
                                cp_layout=c.cp_layout, kernel=c.attention_kernel)
-        o_bthe = checkpoint_name(r.constrain(o_bthe, ("batch", "act_seq", "act_heads", None)), "attn_out")
-        return checkpoint_name(site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed), "attn_proj")
+        o_bthe = checkpoint_name(r.constrain(o_bthe, q_names), "attn_out")
+        if ring_tp(self):
+            out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, q_names,
+                                            ("heads", "head_dim", "embed"))
+        else:
+            out_btd = site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed)
+        return checkpoint_name(out_btd, "attn_proj")
 
 
 class Block(nn.Module):
