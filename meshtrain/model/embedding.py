@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.config import ModelConfig
-from meshtrain.sharding import ShardingRules
+from meshtrain.sharding import ShardingRules, entry_axes, spec_axes
 
 EMBEDDING_GRADS = get_args(get_type_hints(ModelConfig)["embedding_grad"])  # the config field's choices
 TOKEN_AXES = ("batch", "act_res_seq")  # how the residual stream lays out its tokens (model/transformer.py)
@@ -135,17 +135,12 @@ def _reduce_over_token_shards(partials_ggvd: jax.Array, rules: ShardingRules) ->
     D is not split (ZeRO-0/1), XLA all-reduces the partials in their row-major layout: left alone.
     """
     vocab = partials_ggvd.shape[2]
-    embed_axes = set(_mesh_axes(rules.spec(("embed",))))
-    axes = tuple(a for a in _mesh_axes(rules.spec(TOKEN_AXES)) if a in embed_axes and rules.mesh.shape[a] > 1)
+    embed_axes = set(spec_axes(rules.spec(("embed",))))
+    axes = tuple(a for a in spec_axes(rules.spec(TOKEN_AXES)) if a in embed_axes and rules.mesh.shape[a] > 1)
     dtable_vd = partials_ggvd.sum(axis=(0, 1))
     if not axes or vocab % math.prod(rules.mesh.shape[a] for a in axes):
         return dtable_vd  # D is not split over the token shards, or V does not split evenly
     return jax.lax.with_sharding_constraint(dtable_vd, NamedSharding(rules.mesh, P(axes, None)))
-
-
-def _mesh_axes(spec: P) -> list[str]:
-    """Every mesh axis a PartitionSpec names, in order (an entry is None, one axis or a tuple of axes)."""
-    return [a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
 
 
 def token_shards(rules: ShardingRules | None, b: int, t: int) -> tuple[int, int]:
@@ -154,6 +149,6 @@ def token_shards(rules: ShardingRules | None, b: int, t: int) -> tuple[int, int]
         return 1, 1
     pieces = []
     for size, entry in zip((b, t), rules.spec(TOKEN_AXES)):
-        n = math.prod(rules.mesh.shape[a] for a in _mesh_axes(P(entry)))
+        n = math.prod(rules.mesh.shape[a] for a in entry_axes(entry))
         pieces.append(n if size % n == 0 else 1)
     return pieces[0], pieces[1]

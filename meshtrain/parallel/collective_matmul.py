@@ -26,9 +26,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-
-from meshtrain.sharding import LogicalNames, ShardingRules
+from meshtrain.sharding import LogicalNames, ShardingRules, only_axes, spec_axes
 
 AXIS = "tp"
 RESIDUAL_SEQ = "act_res_seq"  # the residual stream's sequence axis: includes tp under sequence parallelism
@@ -38,8 +36,7 @@ def active(tp_overlap: str, rules: ShardingRules) -> bool:
     """collective_matmul asked for, and the residual stream really split over tp (SP, tp > 1)."""
     if tp_overlap != "collective_matmul" or rules.mesh.shape[AXIS] == 1:
         return False
-    seq = rules.spec((RESIDUAL_SEQ,))[0]
-    return AXIS in ((seq,) if isinstance(seq, str) else seq or ())
+    return AXIS in spec_axes(rules.spec((RESIDUAL_SEQ,)))
 
 
 def gather_matmuls(x_btd: jax.Array, ws: Sequence[jax.Array], w_names: Sequence[LogicalNames],
@@ -62,9 +59,9 @@ def gather_matmuls(x_btd: jax.Array, ws: Sequence[jax.Array], w_names: Sequence[
         # per_step[k] is chunk (i + k) % n: put chunk c at place c, then join the chunks along T.
         return [_join_chunks(jnp.roll(jnp.stack(ys), i, axis=0)) for ys in zip(*per_step)]
 
-    x_spec = _tp_only(rules.spec(("batch", RESIDUAL_SEQ, None)))
-    in_specs = (x_spec, *(_tp_only(rules.spec(names)) for names in w_names))
-    out_specs = [_tp_only(rules.spec(names)) for names in out_names]
+    x_spec = only_axes(rules.spec(("batch", RESIDUAL_SEQ, None)), {AXIS})
+    in_specs = (x_spec, *(only_axes(rules.spec(names), {AXIS}) for names in w_names))
+    out_specs = [only_axes(rules.spec(names), {AXIS}) for names in out_names]
     return jax.shard_map(local, mesh=rules.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
                          check_vma=False)(x_btd, *ws)
 
@@ -85,8 +82,8 @@ def matmul_scatter(h: jax.Array, w: jax.Array, h_names: LogicalNames, w_names: L
             acc = part if acc is None else _from_next(acc, n) + part
         return acc
 
-    in_specs = (_tp_only(rules.spec(h_names)), _tp_only(rules.spec(w_names)))
-    out_spec = _tp_only(rules.spec(("batch", RESIDUAL_SEQ, None)))
+    in_specs = (only_axes(rules.spec(h_names), {AXIS}), only_axes(rules.spec(w_names), {AXIS}))
+    out_spec = only_axes(rules.spec(("batch", RESIDUAL_SEQ, None)), {AXIS})
     return jax.shard_map(local, mesh=rules.mesh, in_specs=in_specs, out_specs=out_spec, axis_names={AXIS},
                          check_vma=False)(h, w)
 
@@ -101,9 +98,3 @@ def _join_chunks(y_cb: jax.Array) -> jax.Array:
     y_bc = jnp.moveaxis(y_cb, 0, 1)
     return y_bc.reshape(y_bc.shape[0], -1, *y_bc.shape[3:])
 
-
-def _tp_only(spec: P) -> P:
-    """The spec with every mesh axis but tp dropped: the others stay automatic in the region."""
-    def keep(entry):
-        return AXIS if AXIS in ((entry,) if isinstance(entry, str) else entry or ()) else None
-    return P(*(keep(e) for e in spec))

@@ -19,12 +19,11 @@ Collectives are still only over cp and sp; the others merely stop being automati
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from meshtrain.parallel import ulysses
 from meshtrain.parallel.attention_block import BlockAttention
 from meshtrain.parallel.ring_attention import Ring, allgather_attention, ring_attention
-from meshtrain.sharding import ShardingRules
+from meshtrain.sharding import ShardingRules, only_axes, spec_axes
 
 Q = ("batch", "act_seq", "act_heads", None)
 KV = ("batch", "act_seq", "act_kv_heads", None)
@@ -48,7 +47,7 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
     kernel = impl == "pallas"
     block = BlockAttention(impl, document_mask, interpret=jax.default_backend() == "cpu", backend=attention_kernel)
     specs = [rules.spec(n) for n in (Q, KV, KV, SEQ, SEQ)]
-    manual = {"cp", "sp"} | (_axes_of(specs) if kernel else set())
+    manual = {"cp", "sp"} | ({a for s in specs for a in spec_axes(s)} if kernel else set())
     head_groups = 1 if "tp" in manual else tp  # tp shards of the head axis this view still spans
     n_heads, n_kv = q_bthe.shape[2], k_bske.shape[2]
 
@@ -72,24 +71,9 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
             o = ulysses.heads_to_seq(o, "sp", sp, head_groups)
         return o
 
-    in_specs = tuple(_only(s, manual) for s in specs)
+    in_specs = tuple(only_axes(s, manual) for s in specs)
     # check_vma off: Pallas kernels are opaque to JAX's replication checker.
     region = jax.shard_map(local, mesh=rules.mesh, in_specs=in_specs, out_specs=in_specs[0],
                            axis_names=frozenset(manual), check_vma=False)
     return region(q_bthe, k_bske, v_bske, positions_bt, segment_ids_bt)
 
-
-def _axes_of(specs: list[P]) -> set[str]:
-    out = set()
-    for spec in specs:
-        for entry in spec:
-            out |= set((entry,) if isinstance(entry, str) else entry or ())
-    return out
-
-
-def _only(spec: P, axes: set[str]) -> P:
-    """The spec restricted to the region's manual axes (the others stay automatic)."""
-    def keep(entry):
-        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
-        return kept or None
-    return P(*(keep(e) for e in spec))
