@@ -51,13 +51,17 @@ def gather_matmuls(x_btd: jax.Array, ws: Sequence[jax.Array], w_names: Sequence[
 
     def local(x_btd, *ws):
         i = jax.lax.axis_index(AXIS)
-        per_step = []
+        t_chunk = x_btd.shape[1]
+        outs = None
         for k in range(n):
-            per_step.append(matmul(x_btd, ws))
+            ys = matmul(x_btd, ws)
+            if outs is None:  # whole-sequence buffers; each step writes its chunk in place
+                outs = [jnp.zeros((y.shape[0], n * t_chunk, *y.shape[2:]), y.dtype) for y in ys]
+            start = ((i + k) % n) * t_chunk  # the chunk this step holds
+            outs = [jax.lax.dynamic_update_slice_in_dim(o, y, start, axis=1) for o, y in zip(outs, ys)]
             if k < n - 1:
                 x_btd = _from_next(x_btd, n)
-        # per_step[k] is chunk (i + k) % n: put chunk c at place c, then join the chunks along T.
-        return [_join_chunks(jnp.roll(jnp.stack(ys), i, axis=0)) for ys in zip(*per_step)]
+        return outs
 
     x_spec = only_axes(rules.spec(("batch", RESIDUAL_SEQ, None)), {AXIS})
     in_specs = (x_spec, *(only_axes(rules.spec(names), {AXIS}) for names in w_names))
@@ -91,10 +95,3 @@ def matmul_scatter(h: jax.Array, w: jax.Array, h_names: LogicalNames, w_names: L
 def _from_next(x: jax.Array, n: int) -> jax.Array:
     """Device i receives device (i + 1) % n's x."""
     return jax.lax.ppermute(x, AXIS, [(j, (j - 1) % n) for j in range(n)])
-
-
-def _join_chunks(y_cb: jax.Array) -> jax.Array:
-    """[n, B, T/n, ...] chunks in sequence order -> [B, T, ...]."""
-    y_bc = jnp.moveaxis(y_cb, 0, 1)
-    return y_bc.reshape(y_bc.shape[0], -1, *y_bc.shape[3:])
-
