@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("overrides", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides may stand before and after the options
     cfg = load_config(a.config, a.overrides)
     xla_flags.apply_config(cfg)  # as `python -m meshtrain.run` does, before jax starts its backend
     degrees = validate(cfg, jax.device_count())
