@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+
 from meshtrain.sharding import LogicalNames, ShardingRules, only_axes, spec_axes
 
 AXIS = "tp"
