@@ -132,9 +132,14 @@ def _reduce_over_token_shards(partials_ggvd: jax.Array, rules: ShardingRules) ->
     scatter took 11.8 ms per step for Llama-3-8B's table (V 128256, D 4096, 8192 tokens per GPU;
     docs/PROFILE.md). Split along V, the reduction is contiguous in the scatter's own row-major layout;
     moving the V-split sum to the table's sharding is then one all-to-all of the reduced table. Where
-    D is not split (ZeRO-0/1), XLA all-reduces the partials in their row-major layout: left alone.
+    D is not split (ZeRO-0/1), XLA all-reduces the partials in their row-major layout: left alone; so
+    is a pipeline (pp > 1).
     """
     vocab = partials_ggvd.shape[2]
+    if rules.mesh.shape["pp"] > 1:
+        # Under a pipeline the embedding runs in one stage's branch of the schedule; a collective of its
+        # own there would wait for devices of the other stages, which never reach it.
+        return partials_ggvd.sum(axis=(0, 1))
     embed_axes = set(spec_axes(rules.spec(("embed",))))
     axes = tuple(a for a in spec_axes(rules.spec(TOKEN_AXES)) if a in embed_axes and rules.mesh.shape[a] > 1)
     dtable_vd = partials_ggvd.sum(axis=(0, 1))
