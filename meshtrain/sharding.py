@@ -101,7 +101,6 @@ def make_rules(mesh: Mesh, *, zero_stage: int, sequence_parallel: bool, n_kv_hea
     return ZeroLayout(params=view(zero_stage >= 3), grads=view(zero_stage >= 2), opt_state=view(zero_stage >= 1))
 
 
-
 def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -116,6 +115,7 @@ def only_axes(spec: P, axes: set[str] | frozenset[str]) -> P:
     """The spec with every mesh axis outside `axes` dropped (a shard_map region manual over `axes`
     takes this; the others stay automatic)."""
     return P(*(tuple(a for a in entry_axes(e) if a in axes) or None for e in spec))
+
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())

@@ -135,15 +135,14 @@ def _reduce_over_token_shards(partials_ggvd: jax.Array, rules: ShardingRules) ->
     D is not split (ZeRO-0/1), XLA all-reduces the partials in their row-major layout: left alone; so
     is a pipeline (pp > 1).
     """
-    vocab = partials_ggvd.shape[2]
+    dtable_vd = partials_ggvd.sum(axis=(0, 1))
     if rules.mesh.shape["pp"] > 1:
         # Under a pipeline the embedding runs in one stage's branch of the schedule; a collective of its
         # own there would wait for devices of the other stages, which never reach it.
-        return partials_ggvd.sum(axis=(0, 1))
+        return dtable_vd
     embed_axes = set(spec_axes(rules.spec(("embed",))))
     axes = tuple(a for a in spec_axes(rules.spec(TOKEN_AXES)) if a in embed_axes and rules.mesh.shape[a] > 1)
-    dtable_vd = partials_ggvd.sum(axis=(0, 1))
-    if not axes or vocab % math.prod(rules.mesh.shape[a] for a in axes):
+    if not axes or dtable_vd.shape[0] % math.prod(rules.mesh.shape[a] for a in axes):
         return dtable_vd  # D is not split over the token shards, or V does not split evenly
     return jax.lax.with_sharding_constraint(dtable_vd, NamedSharding(rules.mesh, P(axes, None)))
 

@@ -162,7 +162,8 @@ class SwiGLU(nn.Module):
         w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("mlp", "embed"),
                           p.param_dtype)
         hidden_names = ("batch", "act_seq", "act_mlp")
-        if ring_tp(self):
+        ring = ring_tp(self)
+        if ring:
             gate_btf, up_btf = gathered_site_matmuls(self, x_btd, [
                 ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), hidden_names),
                 ("mlp.w_up", "btd,df->btf", w_up_df, ("embed", "mlp"), hidden_names)])
@@ -171,7 +172,7 @@ class SwiGLU(nn.Module):
             up_btf = site_matmul(self, "mlp.w_up", "btd,df->btf", x_btd, w_up_df)
         hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, hidden_names)
         hidden_btf = checkpoint_name(hidden_btf, "mlp_hidden")
-        if ring_tp(self):
+        if ring:
             out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, hidden_names,
                                             ("mlp", "embed"))
         else:

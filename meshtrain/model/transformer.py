@@ -76,7 +76,8 @@ class Attention(nn.Module):
                        p.param_dtype)
 
         q_names, kv_names = ("batch", "act_seq", "act_heads", None), ("batch", "act_seq", "act_kv_heads", None)
-        if ring_tp(self):  # one ring over tp brings x's sequence chunks to all three projections
+        ring = ring_tp(self)
+        if ring:  # one ring over tp brings x's sequence chunks to all three projections
             q_bthe, k_btke, v_btke = gathered_site_matmuls(self, x_btd, [
                 ("attn.wq", "btd,dhe->bthe", wq_dhe, ("embed", "heads", "head_dim"), q_names),
                 ("attn.wk", "btd,dke->btke", wk_dke, ("embed", "kv_heads", "head_dim"), kv_names),
@@ -98,7 +99,7 @@ class Attention(nn.Module):
                                document_mask=self.document_mask, rules=r, cp_impl=c.cp_impl,
                                cp_layout=c.cp_layout, kernel=c.attention_kernel)
         o_bthe = checkpoint_name(r.constrain(o_bthe, q_names), "attn_out")
-        if ring_tp(self):
+        if ring:
             out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, q_names,
                                             ("heads", "head_dim", "embed"))
         else:
