@@ -31,7 +31,9 @@ def summarize(run_dir: str, after: int) -> dict:
     return dict(run=run_dir, losses={r["step"]: r["loss"] for r in recs},
                 step_ms=statistics.median(times) * 1e3 if times else None,
                 step_ms_all=[round(s * 1e3, 1) for s in times],
-                mfu=statistics.median(mfus) if mfus else None)
+                mfu=statistics.median(mfus) if mfus else None,
+                peak_mem_gib=steady[-1].get("peak_mem_gib", 0.0) if steady else None,
+                final_loss=steady[-1]["loss"] if steady else None)
 
 
 def main() -> int:

@@ -28,22 +28,22 @@ meshtrain() {  # $1: label, then overrides
   local label=$1; shift
   timeout 300 "$PY" -m meshtrain.run --config configs/llama1b_h100.yaml train.steps=60 train.log_every=10 \
     run.progress=false run.dir="/tmp/meshtrain_$label" "$@" > "$OUT_DIR/meshtrain_$label.log" 2>&1
-  # Steady state: the median of the logged intervals after step 20 (each the mean of 10 steps).
-  "$PY" - "/tmp/meshtrain_$label/metrics.jsonl" "$label" >> "$OUT_DIR/summary.txt" <<'PYEOF'
-import json, statistics, sys
-path, label = sys.argv[1], sys.argv[2]
-try:
-    recs = [json.loads(l) for l in open(path) if l.strip()]
-except OSError:
-    print(f"[{label}] MESHTRAIN: no metrics ({path})"); sys.exit()
-recs = [r for r in recs if "step_time_s" in r and r["step"] > 20 and not r.get("includes_compile")]
-if not recs:
+  # Steady state: the median of the logged intervals after step 20 (each the mean of 10 steps), by
+  # scripts/compare_runs.py's rule.
+  "$PY" - "/tmp/meshtrain_$label" "$label" >> "$OUT_DIR/summary.txt" <<'PYEOF'
+import os, sys
+sys.path.insert(0, "scripts")  # run from the repository root
+from compare_runs import summarize
+run_dir, label = sys.argv[1], sys.argv[2]
+if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    print(f"[{label}] MESHTRAIN: no metrics ({run_dir}/metrics.jsonl)"); sys.exit()
+s = summarize(run_dir, after=20)
+if s["step_ms"] is None:
     print(f"[{label}] MESHTRAIN: no steady-state records"); sys.exit()
-t = statistics.median(r["step_time_s"] for r in recs)
-print(f"[{label}] MESHTRAIN: median step {t * 1e3:.1f} ms over {len(recs)} intervals of 10 steps "
-      f"(min {min(r['step_time_s'] for r in recs) * 1e3:.1f}, max {max(r['step_time_s'] for r in recs) * 1e3:.1f}), "
-      f"{16384 / t / 1e3:.1f}k tok/s, MFU {statistics.median(r['mfu'] for r in recs) * 100:.1f}%, "
-      f"peak {recs[-1].get('peak_mem_gib', 0):.1f} GiB, final loss {recs[-1]['loss']:.4f}")
+t, times = s["step_ms"], s["step_ms_all"]
+print(f"[{label}] MESHTRAIN: median step {t:.1f} ms over {len(times)} intervals of 10 steps "
+      f"(min {min(times):.1f}, max {max(times):.1f}), {16384 / t:.1f}k tok/s, MFU {s['mfu'] * 100:.1f}%, "
+      f"peak {s['peak_mem_gib']:.1f} GiB, final loss {s['final_loss']:.4f}")
 PYEOF
 }
 
