@@ -8,11 +8,13 @@ block_until_ready; the figure is the median over batches of batch time / calls. 
 random normal (never zeros), and calls alternate between two input sets so no input sits in L2.
 FLOPs: attention fwd 4*B*H*T*S*E (halved when causal), fwd+bwd 3.5x fwd. Bytes: the minimum
 traffic (each input read once, each output written once). Memory: the compiled program's
-`memory_analysis()` temp bytes.
+`memory_analysis()` temp bytes. `--profile DIR` also traces the default Mosaic and cuDNN attention
+forward+backward (5 calls each) and lists their kernels with the time of each per call.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -20,6 +22,7 @@ import statistics
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +48,18 @@ def bench(fn, input_sets, *, calls: int, batches: int) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def kernel_times(fn, args, trace_dir: Path, calls: int = 5) -> list[dict]:
+    """The kernels of `calls` traced calls of an already-warm fn: name and ms per call, longest first."""
+    from meshtrain.profile_table import profile_report  # the same trace reader as the training profiles
+    jax.profiler.start_trace(str(trace_dir))
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    top = profile_report(trace_dir, steps=calls, top_kernels=8)["top_kernels"]  # totals over the trace
+    return [dict(name=t["name"], ms=t["ms"] / calls, per_call=t["count"] / calls) for t in top]
 
 
 def temp_bytes(fn, *args):
@@ -74,16 +89,18 @@ def attention_rows(args, results):
         "xla_ref": lambda causal, bs: functools.partial(flash_attention_reference, causal=causal),
     }
     configs = {impl: [("default", None)] for impl in impls}
-    if args.sweep:
+    if args.sweep or args.sweep_all:
         fab, mbs = FlashAttentionBlockSizes, MosaicBlockSizes
         configs["triton"] += [
             ("dkdv_w4_dq_w4", fab(num_warps_dkdv=4, num_warps_dq=4)),
             ("dkdv64x128_dq128x64", fab(block_q_dkv=64, block_q_dq=128, block_k_dq=64)),
         ]
+        # Mosaic variants as changes to the head dim's defaults.
+        variant = lambda **kw: lambda e: dataclasses.replace(mbs.for_head_dim(e), **kw)  # noqa: E731
         configs["mosaic"] += [
-            ("dq_atomic", mbs(dq_atomic=True)),
-            ("dq128", mbs(block_k_dq=128)),
-            ("dkv128", mbs(block_q_dkv=128)),
+            ("dq_atomic", variant(dq_atomic=True)),
+            ("dq128", variant(block_k_dq=128)),
+            ("dkv128", variant(block_q_dkv=128)),
         ]
     for b, s, h, kh, e, causal in shapes:
         flops_fwd = 4 * b * h * s * s * e / (2 if causal else 1)
@@ -95,9 +112,11 @@ def attention_rows(args, results):
         for impl, make in impls.items():
             if impl == "xla_ref" and s > 8192:
                 continue  # [B, H, S, S] fp32 scores: 17 GB per copy at S=16384
-            swept = (b, s, kh, causal) == (4, 4096, 16, True)
+            if impl not in args.impls.split(","):
+                continue
+            swept = args.sweep_all or (b, s, kh, causal) == (4, 4096, 16, True)
             for cname, bs in (configs[impl] if swept else configs[impl][:1]):
-                fn = make(causal, bs)
+                fn = make(causal, bs(e) if callable(bs) else bs)
                 name = f"attn {'causal' if causal else 'full'} B{b} S{s} H{h} K{kh} E{e} {impl}"
                 if cname != "default":
                     name += f" [{cname}]"
@@ -108,6 +127,11 @@ def attention_rows(args, results):
                     try:
                         t = bench(f, sets, calls=args.calls, batches=args.batches)
                         row.update(ms=t * 1e3, tflops=flops / t / 1e12)
+                        if args.profile and mode == "fwd+bwd" and cname == "default" and impl in ("mosaic", "cudnn"):
+                            label = name.replace(" ", "_")
+                            row["kernels"] = kernel_times(f, sets[0], Path(args.profile) / label)
+                            for kern in row["kernels"]:
+                                print(f"    {kern['ms']:8.3f} ms  x{kern['per_call']:g}  {kern['name'][:90]}")
                     except Exception as exc:  # keep going: one failing variant must not hide the rest
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                         traceback.print_exc(limit=2)
@@ -242,8 +266,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="one attention shape each of MHA/GQA")
     p.add_argument("--sweep", action="store_true", help="also try a few attention block configs")
     p.add_argument("--only", default="attention,rms_norm,cross_entropy")
+    p.add_argument("--impls", default="mosaic,triton,cudnn,xla_ref", help="the attention implementations to time")
+    p.add_argument("--sweep-all", action="store_true", help="the --sweep configs on every attention case")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--batches", type=int, default=7)
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="trace the default Mosaic and cuDNN attention fwd+bwd into DIR and list their kernels")
     args = p.parse_args()
     dev = jax.devices()[0]
     meta = {"device": getattr(dev, "device_kind", str(dev)), "jax": jax.__version__,
