@@ -7,9 +7,11 @@
           sT = K Q^T   pT = exp2(sT - lse2)   dV += pT dO   dpT = V dO^T
           dsT = pT (dpT - delta)   dK += dsT Q
         dK/dV of a kv head are summed in registers: no atomics, no [B, S, H, E] intermediate.
-  dQ, `dq_atomic`: the dkdv step also computes dQ_part = dS K (dS^T staged in SMEM) and
-        adds it into a zeroed fp32 [B, T, H, E] buffer with a TMA reduce-add: 5 GEMMs in all, and
-        fp32 adds of 64 x E per step through L2.
+  dQ, `dq_atomic`: the dkdv step also computes dQ's share of its keys, dS K, and adds it into a
+        zeroed fp32 [B, T, H, E] buffer with TMA reduce-adds: 5 GEMMs in all. Both consumers stage
+        dS^T in SMEM; with E >= 128 each then takes half of dQ's columns over all 128 keys of the CTA
+        (64 x E/2 accumulators, one add of 64 x E per CTA step), after a barrier that says both
+        halves of dS are written; with E = 64 each takes its own 64 keys and all columns.
   dQ, by default: a dq kernel, grid (T/128, B, H): consumer w owns 64 queries; the producer streams
         K/V of kv head h // G:  s = Q K^T  p = exp2(s - lse2)  dp = dO V^T  ds = p (dp - delta)
         dQ += ds K. No atomics, but S and dP are computed twice: 7 GEMMs in all.
@@ -36,19 +38,27 @@ from pallas_kernels import mosaic_common as mc
 BK = mc.ROWS_PER_WARPGROUP  # keys per dK/dV consumer
 
 
+def _dq_splits_columns(e: int) -> bool:
+    """Do the consumers split dQ's columns (E/2 each, over all keys of the CTA)? Only where a half
+    still fills a 128-byte swizzled SMEM row of K (64 bf16 values): E >= 128."""
+    return e >= 2 * 64
+
+
 def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e: int, dtype, dq_atomic: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref = refs[:6]
     qseg_ref, kseg_ref = refs[6:8] if plan.has_seg else (None, None)
     dq_acc_ref = refs[-5] if dq_atomic else None
     dk_ref, dv_ref, smem, bars = refs[-4:]
-    k_smem, v_smem, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, ds_smem, dq_smem = smem
-    k_bar, v_bar, kseg_bar, q_bar, do_bar, lse_bar, delta_bar, qseg_bar, used = bars
+    k_smem, v_smem, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, ds_smem, kdq_smem, dq_smem = smem
+    k_bar, v_bar, kseg_bar, q_bar, do_bar, lse_bar, delta_bar, qseg_bar, used, kdq_bar, ds_ready = bars
     b, kh, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     cta_k = lax.axis_index("k_blocks") * (mc.N_CONSUMERS * BK)
     cta_lo, _, hi = q_loop_bounds(plan, cta_k, bq, BK)
     n_i = hi - cta_lo  # query blocks per head that the CTA streams
     scale = plan.sm_scale * LOG2E
+    split_e = dq_atomic and _dq_splits_columns(e)
+    dq_cols = e // mc.N_CONSUMERS if split_e else e  # dQ columns per consumer
 
     @pl.when(wg < mc.N_CONSUMERS)
     def _consumer():
@@ -60,9 +70,19 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
         k_seg = None
         if plan.has_seg:
             k_seg = mc.owned_ids(kseg_ref.at[b, pl.ds(k_start, BK)], kseg_smem.at[wg], kseg_bar.at[wg])
+        if split_e:  # this consumer's dQ columns of K, for all keys of the CTA: dQ's B operand
+            for j in range(mc.N_CONSUMERS):
+                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(cta_k + j * BK, BK), kh, pl.ds(wg * dq_cols, dq_cols)],
+                                        kdq_smem.at[wg, j], kdq_bar.at[wg * mc.N_CONSUMERS + j])
+            for j in range(mc.N_CONSUMERS):
+                plgpu.barrier_wait(kdq_bar.at[wg * mc.N_CONSUMERS + j])
         plgpu.barrier_wait(k_bar.at[wg])
         plgpu.barrier_wait(v_bar.at[wg])
         lo, mid, _ = q_loop_bounds(plan, k_start, bq, BK)
+        if split_e:
+            # Every step's dQ needs both consumers' dS, so the later consumer computes (to zeros, under the
+            # mask) the blocks before its own first one instead of draining them.
+            lo = cta_lo
 
         def step(qi, carry, base, h, masked: bool):
             dk, dv = carry
@@ -87,21 +107,43 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
             dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(mc.full((BK, bq), 0.0))))
             plgpu.barrier_wait(delta_bar.at[slot])
             ds_t = (p_t * (dp_t - mc.cols(mc.load_vector(delta_smem.at[slot], mc.COL), p_t.shape))).astype(dtype)
-            dk = mc.wgmma_accumulate(dk, ds_t, q_smem.at[slot])
-            if dq_atomic:
-                _add_dq(ds_t, qi, h)
+            if not dq_atomic:
+                dk = mc.wgmma_accumulate(dk, ds_t, q_smem.at[slot])
+                plgpu.barrier_arrive(used.at[slot])
+                return dk, dv
+            buf = lax.rem(base + qi, 2)  # dS^T is double-buffered: see _add_dq
+            ds_smem.at[buf, wg][...] = ds_t
+            plgpu.commit_smem()
+            if split_e:
+                plgpu.barrier_arrive(ds_ready.at[buf])
+            dk = mc.wgmma_accumulate(dk, ds_t, q_smem.at[slot])  # runs while the other consumer writes its dS^T
             plgpu.barrier_arrive(used.at[slot])
+            _add_dq(buf, qi, h)
             return dk, dv
 
-        def _add_dq(ds_t, qi, h):
-            """dQ[q block] += dS K for this consumer's keys: an fp32 TMA reduce-add into dq_acc."""
-            ds_smem.at[wg][...] = ds_t
-            plgpu.commit_smem()
-            dq = mc.wgmma_result((bq, e), ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
+        def _add_dq(buf, qi, h):
+            """dQ[q block, my columns] += dS K: an fp32 TMA reduce-add into dq_acc.
+
+            Buffer `buf` of dS^T is written again two steps later. By then the other consumer has
+            arrived on the next step's ds_ready, which it does only after its wgmma here has read `buf`.
+            """
+            if split_e:
+                plgpu.barrier_wait(ds_ready.at[buf])
+                operands = [(ds_smem.at[buf, j].transpose((1, 0)), kdq_smem.at[wg, j]) for j in range(mc.N_CONSUMERS)]
+            else:
+                operands = [(ds_smem.at[buf, wg].transpose((1, 0)), k_smem.at[wg])]
+
+            def gemms(acc_ref):
+                for a, b_op in operands:  # one wgmma group: the dS K of all operand pairs
+                    plgpu.wgmma(acc_ref, a, b_op)
+                return acc_ref[...]
+            dq = pl.run_scoped(gemms, plgpu.ACC((bq, dq_cols), jnp.float32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read dq_smem
             dq_smem.at[wg][...] = dq
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc_ref.at[b, pl.ds(qi * bq, bq), h], reduction_op="add")
+            cols = pl.ds(wg * dq_cols, dq_cols) if split_e else pl.ds(0, e)
+            plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_acc_ref.at[b, pl.ds(qi * bq, bq), h, cols],
+                                    reduction_op="add")
 
         data = (q_bar, do_bar, lse_bar, delta_bar) + ((qseg_bar,) if plan.has_seg else ())
 
@@ -230,12 +272,16 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
     bq, st = cfg.block_q_dkv, cfg.stages_bwd
     st = max(1, min(st, t_pad // bq))
     atomic = cfg.dq_atomic
+    split_e = atomic and _dq_splits_columns(e)
+    dq_cols = e // n_c if split_e else e
     smem = (mc.tile_smem((n_c, BK, e), dtype), mc.tile_smem((n_c, BK, e), dtype), seg_smem(n_c, BK),
             mc.tile_smem((st, bq, e), dtype), mc.tile_smem((st, bq, e), dtype), vec_smem(st, bq),
             vec_smem(st, bq), seg_smem(st, bq),
-            mc.tile_smem((n_c, BK, bq), dtype) if atomic else None,
-            mc.tile_smem((n_c, bq, e), jnp.float32) if atomic else None)
-    bars = mc.barriers(n_c, 3) + mc.barriers(st, 5) + mc.barriers(st, 1, arrivals=n_c)
+            mc.tile_smem((2, n_c, BK, bq), dtype) if atomic else None,
+            mc.tile_smem((n_c, n_c, BK, dq_cols), dtype) if split_e else None,
+            mc.tile_smem((n_c, bq, dq_cols), jnp.float32) if atomic else None)
+    bars = (mc.barriers(n_c, 3) + mc.barriers(st, 5) + mc.barriers(st, 1, arrivals=n_c)
+            + (mc.barriers(n_c * n_c, 1) + mc.barriers(2, 1, arrivals=n_c) if split_e else (None, None)))
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     # dQ summed over key blocks by TMA reduce-adds into a zeroed fp32 buffer that the kernel writes.
     dq_acc = [jax.new_ref(jnp.zeros((b, t_pad, h, e), jnp.float32))] if atomic else []

@@ -71,6 +71,10 @@ CASES = {
     "segments_dq_atomic_e64": (2, 700, 700, 4, 2, 64, True, jnp.bfloat16, (200, 33, 467),
                                MosaicBlockSizes(dq_atomic=True)),
     "full_dq_atomic_gqa": (1, 512, 640, 4, 2, 128, False, jnp.bfloat16, None, MosaicBlockSizes(dq_atomic=True)),
+    "causal_ragged_t_lt_s_dq_atomic": (2, 1000, 1536, 4, 2, 128, True, jnp.bfloat16, None,
+                                       MosaicBlockSizes(dq_atomic=True)),
+    "causal_t_gt_s_dq_atomic_fp16": (1, 1536, 1000, 4, 4, 128, True, jnp.float16, None,
+                                     MosaicBlockSizes(dq_atomic=True)),
 }
 
 
@@ -125,6 +129,11 @@ def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():
         MosaicBlockSizes(stages=0)
     with pytest.raises(ValueError, match="dq_atomic needs block_q_dkv=64"):
         MosaicBlockSizes(block_q_dkv=128, dq_atomic=True)
+    if is_hopper():
+        seg = jnp.zeros((1, 128), jnp.int32)
+        with pytest.raises(ValueError, match=r"dq_atomic=True\) does not fit shared memory with segment_ids"):
+            flash_attention(q.repeat(2, -1), q.repeat(2, -1), q.repeat(2, -1), segment_ids=seg, backend="mosaic",
+                            block_sizes=MosaicBlockSizes(dq_atomic=True))
 
 
 def test_auto_runs_the_triton_kernels_where_mosaic_cannot():
