@@ -74,7 +74,8 @@ class MosaicBlockSizes:
     queries `block_q_dkv` at a time. Both backward kernels use `stages_bwd` slots.
     dq_atomic: dQ from the dK/dV kernel, each step's dS K added into an fp32 buffer by TMA reduce-adds
     (5 GEMMs in all); by default a separate dQ kernel recomputes S and dP (7 GEMMs, no atomics),
-    which measured 1.2-1.7x faster forward+backward on an H100 (docs/KERNELS_NOTES.md).
+    which measured 1.01-1.40x faster forward+backward on an H100 (docs/KERNELS_NOTES.md). dq_atomic
+    does not fit shared memory with segment ids at head dim 128.
     """
     block_k: int = 128
     stages: int = 2
