@@ -12,7 +12,8 @@
 # JAX_PLATFORMS=cpu N_GPUS=2; there "one GPU" is every CPU device).
 # Layouts over all N visible GPUs: fsdp=N (ZeRO-3); tp=N with sequence parallelism, plain and with each
 # model.tp_overlap; and, for N >= 4, fsdp=N/2 x tp=2 with SP. Results: $OUT_DIR/layouts.jsonl, and a
-# table on stdout. LAYOUTS="fsdp tp" (names below) runs a subset.
+# table on stdout with per-GPU throughput against one GPU and against the fsdp layout. LAYOUTS="fsdp tp" (names
+# below) runs a subset.
 set -uo pipefail
 SHAPE=${1:-8b}
 shift || true
@@ -64,11 +65,12 @@ runs = {}
 for line in open(path):
     r = json.loads(line)
     runs[r["label"]] = r  # the newest record of each label
-one = runs.get("one_gpu")
-print(f"\n{'layout':<14} {'ms/step':>9} {'tokens/s':>10} {'MFU/GPU':>8} {'per GPU vs one GPU':>19}")
+one, fsdp = runs.get("one_gpu"), runs.get("fsdp")
+print(f"\n{'layout':<14} {'ms/step':>9} {'tokens/s':>10} {'MFU/GPU':>8} {'per GPU vs one GPU':>19} {'vs fsdp':>8}")
 for label, r in runs.items():
     per_gpu = r["tokens_per_s"] / (1 if label == "one_gpu" else n)
     vs = f"{per_gpu / one['tokens_per_s']:.3f}" if one and label != "one_gpu" else ""
+    vs_fsdp = f"{r['tokens_per_s'] / fsdp['tokens_per_s']:.3f}" if fsdp and label != "one_gpu" else ""
     mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
-    print(f"{label:<14} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {mfu:>8} {vs:>19}")
+    print(f"{label:<14} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {mfu:>8} {vs:>19} {vs_fsdp:>8}")
 PYEOF
