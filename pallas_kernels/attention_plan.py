@@ -97,6 +97,14 @@ class MosaicBlockSizes:
             raise ValueError(f"MosaicBlockSizes.dq_atomic needs block_q_dkv=64 (one wgmma's rows of dQ); got "
                              f"block_q_dkv={self.block_q_dkv}; set dq_atomic=False for larger query tiles")
 
+    def check_call(self, head_dim: int, has_segment_ids: bool) -> None:
+        """Raise where these tiles cannot run a call of this (padded) head dim."""
+        if self.dq_atomic and has_segment_ids and head_dim >= 128:
+            # The dK/dV kernel's SMEM with dQ's staging tiles is 225 KiB at E = 128; segment ids add the
+            # 1.2 KiB that take it past the 227 KiB of a Hopper SM (measured on an H100).
+            raise ValueError("MosaicBlockSizes(dq_atomic=True) does not fit shared memory with segment_ids at "
+                             f"head dim {head_dim}; use dq_atomic=False (the default) for packed sequences")
+
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "MosaicBlockSizes":
         """Defaults that fit the 227 KiB of shared memory for head dims 64 and 128."""

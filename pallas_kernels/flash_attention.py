@@ -111,11 +111,7 @@ def _plan(q, k, v, segment_ids, causal, sm_scale, block_sizes, interpret, backen
     mosaic = None
     if backend == "mosaic":
         mosaic = block_sizes if isinstance(block_sizes, MosaicBlockSizes) else MosaicBlockSizes.for_head_dim(e_pad)
-        if mosaic.dq_atomic and q_seg is not None and e_pad >= 128:
-            # The dK/dV kernel's SMEM with dQ's staging tiles is 225 KiB at E = 128; segment ids add the
-            # 1.2 KiB that take it past the 227 KiB of a Hopper SM (measured on an H100).
-            raise ValueError("MosaicBlockSizes(dq_atomic=True) does not fit shared memory with segment_ids at "
-                             f"head dim {e}; use dq_atomic=False (the default) for packed sequences")
+        mosaic.check_call(e_pad, has_segment_ids=q_seg is not None)
         # Query tiles are 2 warpgroups x 64 rows, dK/dV key tiles too; the streamed tiles set the rest.
         t_pad = round_up(t, max(128, mosaic.block_q_dkv))
         s_pad = round_up(s, max(128, mosaic.block_k, mosaic.block_k_dq))

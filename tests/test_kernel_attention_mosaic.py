@@ -129,11 +129,10 @@ def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():
         MosaicBlockSizes(stages=0)
     with pytest.raises(ValueError, match="dq_atomic needs block_q_dkv=64"):
         MosaicBlockSizes(block_q_dkv=128, dq_atomic=True)
-    if is_hopper():
-        seg = jnp.zeros((1, 128), jnp.int32)
-        with pytest.raises(ValueError, match=r"dq_atomic=True\) does not fit shared memory with segment_ids"):
-            flash_attention(q.repeat(2, -1), q.repeat(2, -1), q.repeat(2, -1), segment_ids=seg, backend="mosaic",
-                            block_sizes=MosaicBlockSizes(dq_atomic=True))
+    with pytest.raises(ValueError, match=r"dq_atomic=True\) does not fit shared memory with segment_ids at head dim 128"):
+        MosaicBlockSizes(dq_atomic=True).check_call(128, has_segment_ids=True)
+    MosaicBlockSizes(dq_atomic=True).check_call(64, has_segment_ids=True)  # E = 64 fits
+    MosaicBlockSizes(dq_atomic=True).check_call(128, has_segment_ids=False)
 
 
 def test_auto_runs_the_triton_kernels_where_mosaic_cannot():
