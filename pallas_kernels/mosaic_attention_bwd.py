@@ -38,13 +38,14 @@ from pallas_kernels import mosaic_common as mc
 BK = mc.ROWS_PER_WARPGROUP  # keys per dK/dV consumer
 
 
-def _dq_splits_columns(e: int) -> bool:
-    """Do the consumers split dQ's columns (E/2 each, over all keys of the CTA)? Only where a half
-    still fills a 128-byte swizzled SMEM row of K (64 bf16 values): E >= 128."""
-    return e >= 2 * 64
+def _dq_columns(e: int) -> int:
+    """dQ columns per consumer under dq_atomic: E/2 (over all keys of the CTA) where a half still fills
+    a 128-byte swizzled SMEM row of K (64 bf16 values), that is E >= 128; else all E (over its own keys)."""
+    return e // mc.N_CONSUMERS if e >= mc.N_CONSUMERS * 64 else e
 
 
-def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e: int, dtype, dq_atomic: bool):
+def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e: int, dtype, dq_atomic: bool,
+                 dq_cols: int):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref = refs[:6]
     qseg_ref, kseg_ref = refs[6:8] if plan.has_seg else (None, None)
@@ -57,8 +58,7 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
     cta_lo, _, hi = q_loop_bounds(plan, cta_k, bq, BK)
     n_i = hi - cta_lo  # query blocks per head that the CTA streams
     scale = plan.sm_scale * LOG2E
-    split_e = dq_atomic and _dq_splits_columns(e)
-    dq_cols = e // mc.N_CONSUMERS if split_e else e  # dQ columns per consumer
+    split_e = dq_atomic and dq_cols < e  # the consumers split dQ's columns (_dq_columns)
 
     @pl.when(wg < mc.N_CONSUMERS)
     def _consumer():
@@ -272,8 +272,8 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
     bq, st = cfg.block_q_dkv, cfg.stages_bwd
     st = max(1, min(st, t_pad // bq))
     atomic = cfg.dq_atomic
-    split_e = atomic and _dq_splits_columns(e)
-    dq_cols = e // n_c if split_e else e
+    dq_cols = _dq_columns(e)
+    split_e = atomic and dq_cols < e
     smem = (mc.tile_smem((n_c, BK, e), dtype), mc.tile_smem((n_c, BK, e), dtype), seg_smem(n_c, BK),
             mc.tile_smem((st, bq, e), dtype), mc.tile_smem((st, bq, e), dtype), vec_smem(st, bq),
             vec_smem(st, bq), seg_smem(st, bq),
@@ -287,7 +287,7 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
     dq_acc = [jax.new_ref(jnp.zeros((b, t_pad, h, e), jnp.float32))] if atomic else []
     dk, dv = mc.launch(
         functools.partial(_dkdv_kernel, plan=plan, bq=bq, stages=st, group=group, e=e, dtype=dtype,
-                          dq_atomic=atomic),
+                          dq_atomic=atomic, dq_cols=dq_cols),
         out_type=[kv_type, kv_type], scratch_types=[smem, bars],
         grid=(s_pad // (n_c * BK), b, kh), grid_names=("k_blocks", "batch", "kv_heads"),
         name="flash_attention_dkdv_mosaic",
