@@ -1,4 +1,4 @@
-"""Static plan shared by the attention kernels: block sizes, padded lengths, loop bounds, masks.
+"""Static plan shared by the attention kernels: block sizes, padded lengths, loop bounds, row statistics.
 
 Loop-bound arithmetic (bottom-right causal, offset = S - T): query i sees key j iff j <= i + offset.
 For a query block [qs, qs + bq) and key block [ks, ks + bk):
@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import is_pow2
+from pallas_kernels._common import LOG2E, is_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,22 +167,13 @@ def q_loop_bounds(plan: AttentionPlan, k_start, bq: int, bk: int):
     return lo, mid, hi
 
 
-def block_mask(plan: AttentionPlan, q_start, k_start, bq: int, bk: int, q_seg, k_seg, kv_valid: bool,
-               transposed: bool = False):
-    """[bq, bk] bool (True = attend) for a block pair, [bk, bq] if transposed; only the parts the
-    plan needs are built."""
-    q_pos = q_start + jnp.arange(bq, dtype=jnp.int32)
-    k_pos = k_start + jnp.arange(bk, dtype=jnp.int32)
-    q_pos, k_pos = (q_pos[None, :], k_pos[:, None]) if transposed else (q_pos[:, None], k_pos[None, :])
-    mask = None
-    if plan.causal:
-        mask = k_pos <= q_pos + plan.offset
-    if kv_valid and plan.s_real % bk != 0:
-        valid = k_pos < plan.s_real
-        mask = valid if mask is None else mask & valid
-    if q_seg is not None:
-        seg = (q_seg[None, :] == k_seg[:, None]) if transposed else (q_seg[:, None] == k_seg[None, :])
-        mask = seg if mask is None else mask & seg
-    if mask is None:  # nothing to mask, but the caller asked for a masked block
-        mask = jnp.ones((bk, bq) if transposed else (bq, bk), jnp.bool_)
-    return mask
+def backward_stats(o, do, lse, dlse):
+    """(delta, lse2) [B, H, Tp] fp32, what both backward kernels read per query row, computed by XLA.
+
+    delta = rowsum(o * do) - dlse: the lse cotangent folds in, since d lse_i / d s_ij = p_ij, so
+    ds_ij = p_ij (dp_ij - delta_i). lse2 = lse * log2(e), and +inf for a row that saw no key
+    (lse = -inf), so that p = exp2(s - lse2) is exactly 0 there.
+    """
+    delta = jnp.einsum("bthe,bthe->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    return delta, lse2

@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import next_pow2, round_up
-from pallas_kernels.attention_bwd import attention_backward
-from pallas_kernels.attention_fwd import attention_forward
 from pallas_kernels.attention_plan import AttentionPlan, FlashAttentionBlockSizes, MosaicBlockSizes
 from pallas_kernels.mosaic_attention_bwd import mosaic_attention_backward
 from pallas_kernels.mosaic_attention_fwd import mosaic_attention_forward
 from pallas_kernels.attention_reference import SegmentIds, check_attention_args
 from pallas_kernels.mosaic_common import is_hopper
+from pallas_kernels.triton_attention import triton_attention_backward, triton_attention_forward
 
 BACKENDS = ("auto", "mosaic", "triton")
 # Which backend `auto` takes where both can run (Hopper, head dim 64 or 128, bf16/fp16): Mosaic measured
@@ -32,13 +31,13 @@ AUTO_ON_HOPPER = "mosaic"
 def _forward(q, k, v, q_seg, kv_seg, plan: AttentionPlan):
     if plan.backend == "mosaic":
         return mosaic_attention_forward(q, k, v, q_seg, kv_seg, plan)
-    return attention_forward(q, k, v, q_seg, kv_seg, plan)
+    return triton_attention_forward(q, k, v, q_seg, kv_seg, plan)
 
 
 def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: AttentionPlan):
     if plan.backend == "mosaic":
         return mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan)
-    return attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan)
+    return triton_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -31,7 +31,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._common import LOG2E
-from pallas_kernels.attention_plan import AttentionPlan, kv_loop_bounds, q_loop_bounds
+from pallas_kernels.attention_plan import AttentionPlan, backward_stats, kv_loop_bounds, q_loop_bounds
 from pallas_kernels.mosaic_attention_fwd import BQ
 from pallas_kernels import mosaic_common as mc
 
@@ -263,8 +263,7 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
     group = h // kh
     cfg = plan.mosaic
     n_c, dtype = mc.N_CONSUMERS, q.dtype
-    delta = jnp.einsum("bthe,bthe->bht", o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+    delta, lse2 = backward_stats(o, do, lse, dlse)
     seg_args = [q_seg, kv_seg] if plan.has_seg else []
     seg_smem = lambda n, length: plgpu.SMEM((n, length), jnp.int32) if plan.has_seg else None
     vec_smem = lambda n, length: plgpu.SMEM((n, length), jnp.float32)

@@ -12,9 +12,10 @@ Which axes the region takes over. With the jnp block it is manual over cp and sp
 owns; batch (dp, fsdp) and heads (tp) stay automatic, so the compiler partitions the block's
 einsums along them and the region's collectives stay on cp and sp. A Pallas kernel has no
 partitioning rule: the compiler would gather its operands over every automatic axis inside the
-region. So with `model.attention=pallas` the region is also manual over the axes that shard the
-operands (batch over dp and fsdp, heads over tp), as parallel/shard_local.py does for a kernel alone.
-Collectives are still only over cp and sp; the others merely stop being automatic.
+region. So with `model.attention=pallas` the region is manual over every mesh axis, as
+parallel/shard_local.py is for a kernel alone (a host callback, which runs the Triton kernels in
+their interpreter, is allowed nowhere else). Collectives are still only over cp and sp; the others
+merely stop being automatic.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import jax
 from meshtrain.parallel import ulysses
 from meshtrain.parallel.attention_block import BlockAttention
 from meshtrain.parallel.ring_attention import Ring, allgather_attention, ring_attention
-from meshtrain.sharding import ShardingRules, only_axes, spec_axes
+from meshtrain.sharding import ShardingRules, only_axes
 
 Q = ("batch", "act_seq", "act_heads", None)
 KV = ("batch", "act_seq", "act_kv_heads", None)
@@ -47,7 +48,7 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
     kernel = impl == "pallas"
     block = BlockAttention(impl, document_mask, interpret=jax.default_backend() == "cpu", backend=attention_kernel)
     specs = [rules.spec(n) for n in (Q, KV, KV, SEQ, SEQ)]
-    manual = {"cp", "sp"} | ({a for s in specs for a in spec_axes(s)} if kernel else set())
+    manual = set(rules.mesh.axis_names) if kernel else {"cp", "sp"}
     head_groups = 1 if "tp" in manual else tp  # tp shards of the head axis this view still spans
     n_heads, n_kv = q_bthe.shape[2], k_bske.shape[2]
 
