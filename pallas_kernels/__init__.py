@@ -3,11 +3,13 @@ from pallas_kernels.attention_plan import FlashAttentionBlockSizes, MosaicBlockS
 from pallas_kernels.attention_reference import flash_attention_reference
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                                           linear_cross_entropy_reference)
-from pallas_kernels.flash_attention import flash_attention, flash_attention_backward, mosaic_unavailable
+from pallas_kernels.flash_attention import (FORWARD_OUTPUTS as FLASH_FORWARD_OUTPUTS, flash_attention,
+                                            flash_attention_backward, mosaic_unavailable)
 from pallas_kernels.grouped_matmul import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 from pallas_kernels.rms_norm import RmsNormBlockSizes, rms_norm, rms_norm_reference
 
 __all__ = [
+    "FLASH_FORWARD_OUTPUTS",
     "FlashAttentionBlockSizes",
     "GroupedMatmulBlockSizes",
     "LinearCrossEntropyBlockSizes",

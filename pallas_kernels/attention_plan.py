@@ -27,16 +27,17 @@ class FlashAttentionBlockSizes:
     """
     block_q: int = 128
     block_k: int = 64
-    # Backward defaults: the fastest of the configs swept on an H200 (docs/KERNELS_NOTES.md).
-    block_q_dkv: int = 32
-    block_k_dkv: int = 64
-    block_q_dq: int = 64
-    block_k_dq: int = 32
+    # Backward defaults: the fastest of the configs swept on an H100 with head dim 128 (docs/PERFORMANCE.md,
+    # "The Triton fallback on jax-triton").
+    block_q_dkv: int = 64
+    block_k_dkv: int = 128
+    block_q_dq: int = 128
+    block_k_dq: int = 64
     num_warps_fwd: int = 8
     num_stages_fwd: int = 3
-    num_warps_dkdv: int = 4
+    num_warps_dkdv: int = 8
     num_stages_dkdv: int = 3
-    num_warps_dq: int = 4
+    num_warps_dq: int = 8
     num_stages_dq: int = 3
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels._common import next_pow2, round_up
 from pallas_kernels.attention_plan import AttentionPlan, FlashAttentionBlockSizes, MosaicBlockSizes
@@ -23,6 +24,9 @@ from pallas_kernels.mosaic_common import is_hopper
 from pallas_kernels.triton_attention import triton_attention_backward, triton_attention_forward
 
 BACKENDS = ("auto", "mosaic", "triton")
+# The checkpoint name on the forward kernel's outputs (o, lse), whichever backend ran it: the residuals the
+# backward kernels read, which `train.remat=save_dots_attn` keeps so the backward never reruns the forward.
+FORWARD_OUTPUTS = "flash_attention_forward_outputs"
 # Which backend `auto` takes where both can run (Hopper, head dim 64 or 128, bf16/fp16): Mosaic measured
 # 1.3-2.3x faster than Triton forward+backward on an H100 (docs/KERNELS_NOTES.md).
 AUTO_ON_HOPPER = "mosaic"
@@ -46,7 +50,7 @@ def _flash(q, k, v, q_seg, kv_seg, plan: AttentionPlan):
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, plan):
-    o, lse = _forward(q, k, v, q_seg, kv_seg, plan)
+    o, lse = (checkpoint_name(x, FORWARD_OUTPUTS) for x in _forward(q, k, v, q_seg, kv_seg, plan))
     return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
 
 

@@ -85,40 +85,43 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
             lo = cta_lo
 
         def step(qi, carry, base, h, masked: bool):
-            dk, dv = carry
             slot = lax.rem(base + qi, stages)
             plgpu.barrier_wait(q_bar.at[slot])
-            s_t = mc.wgmma_result((BK, bq), k_smem.at[wg], q_smem.at[slot].transpose((1, 0)))
-            plgpu.barrier_wait(lse_bar.at[slot])
-            p_t = jnp.exp2(s_t * scale - mc.cols(mc.load_vector(lse_smem.at[slot], mc.COL), s_t.shape))
-            if masked:
-                q_seg = None
-                if plan.has_seg:
-                    plgpu.barrier_wait(qseg_bar.at[slot])
-                    q_seg = mc.load_vector(qseg_smem.at[slot], mc.COL)
-                p_t = jnp.where(mc.tile_mask(plan, qi * bq, k_start, p_t.shape, q_seg, k_seg, keys_on_rows=True),
-                                p_t, 0.0)
             plgpu.barrier_wait(do_bar.at[slot])
-
-            def dv_and_dp(acc_refs):  # one wgmma group: a single wait covers both
-                dv_ref, dp_ref = acc_refs
-                plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
-                plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].transpose((1, 0)))
-            dv, dp_t = pl.run_state(dv_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(mc.full((BK, bq), 0.0))))
-            plgpu.barrier_wait(delta_bar.at[slot])
-            ds_t = (p_t * (dp_t - mc.cols(mc.load_vector(delta_smem.at[slot], mc.COL), p_t.shape))).astype(dtype)
-            if not dq_atomic:
-                dk = mc.wgmma_accumulate(dk, ds_t, q_smem.at[slot])
-                plgpu.barrier_arrive(used.at[slot])
-                return dk, dv
             buf = lax.rem(base + qi, 2)  # dS^T is double-buffered: see _add_dq
-            ds_smem.at[buf, wg][...] = ds_t
-            plgpu.commit_smem()
-            if split_e:
-                plgpu.barrier_arrive(ds_ready.at[buf])
-            dk = mc.wgmma_accumulate(dk, ds_t, q_smem.at[slot])  # runs while the other consumer writes its dS^T
+
+            def gemms(acc_refs):
+                # Four wgmma groups, waited on in issue order, so each elementwise phase runs while the
+                # tensor cores do the next GEMM: exp2 of S^T beside dP^T, dS^T beside dV.
+                dk_ref, dv_ref, s_ref, dp_ref = acc_refs
+                plgpu.wgmma(s_ref, k_smem.at[wg], q_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_wait(lse_bar.at[slot])
+                s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                p_t = jnp.exp2(s_t * scale - mc.cols(mc.load_vector(lse_smem.at[slot], mc.COL), s_t.shape))
+                if masked:
+                    q_seg = None
+                    if plan.has_seg:
+                        plgpu.barrier_wait(qseg_bar.at[slot])
+                        q_seg = mc.load_vector(qseg_smem.at[slot], mc.COL)
+                    p_t = jnp.where(mc.tile_mask(plan, qi * bq, k_start, p_t.shape, q_seg, k_seg, keys_on_rows=True),
+                                    p_t, 0.0)
+                plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
+                plgpu.barrier_wait(delta_bar.at[slot])
+                dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+                ds_t = (p_t * (dp_t - mc.cols(mc.load_vector(delta_smem.at[slot], mc.COL), p_t.shape))).astype(dtype)
+                if dq_atomic:
+                    ds_smem.at[buf, wg][...] = ds_t
+                    plgpu.commit_smem()
+                    if split_e:
+                        plgpu.barrier_arrive(ds_ready.at[buf])
+                plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])  # runs while the other consumer writes its dS^T
+
+            tile = mc.full((BK, bq), 0.0)
+            dk, dv, _, _ = pl.run_state(gemms)(tuple(plgpu.ACC.init(x) for x in (*carry, tile, tile)))
             plgpu.barrier_arrive(used.at[slot])
-            _add_dq(buf, qi, h)
+            if dq_atomic:
+                _add_dq(buf, qi, h)
             return dk, dv
 
         def _add_dq(buf, qi, h):
@@ -216,16 +219,24 @@ def _dq_kernel(*refs, plan: AttentionPlan, bk: int, stages: int, group: int, e: 
         def step(kb, dq, masked: bool):
             slot = lax.rem(kb, stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = mc.wgmma_result((BQ, bk), q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-            p = jnp.exp2(s * scale - mc.rows(lse2, s.shape))
-            if masked:
-                k_seg = None
-                if plan.has_seg:
-                    plgpu.barrier_wait(kseg_bar.at[slot])
-                    k_seg = mc.load_vector(kseg_smem.at[slot], mc.COL)
-                p = jnp.where(mc.tile_mask(plan, q_start, kb * bk, p.shape, q_seg, k_seg), p, 0.0)
             plgpu.barrier_wait(v_bar.at[slot])
-            dp = mc.wgmma_result((BQ, bk), do_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
+
+            def scores(s_ref, dp_ref):
+                # Both GEMMs in flight at once: P's exp2 runs while the tensor cores do dP = dO V^T.
+                plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(dp_ref, do_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                p = jnp.exp2(s * scale - mc.rows(lse2, s.shape))
+                if masked:
+                    k_seg = None
+                    if plan.has_seg:
+                        plgpu.barrier_wait(kseg_bar.at[slot])
+                        k_seg = mc.load_vector(kseg_smem.at[slot], mc.COL)
+                    p = jnp.where(mc.tile_mask(plan, q_start, kb * bk, p.shape, q_seg, k_seg), p, 0.0)
+                return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+
+            acc = plgpu.ACC((BQ, bk), jnp.float32)
+            p, dp = pl.run_scoped(scores, acc, acc)
             plgpu.barrier_arrive(v_used.at[slot])
             ds = p * (dp - mc.rows(delta, p.shape))
             dq = mc.wgmma_accumulate(dq, ds.astype(dtype), k_smem.at[slot])

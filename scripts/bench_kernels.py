@@ -31,7 +31,7 @@ from pallas_kernels import (FlashAttentionBlockSizes, MosaicBlockSizes, flash_at
                             flash_attention_reference, linear_cross_entropy, linear_cross_entropy_reference,
                             RmsNormBlockSizes, rms_norm, rms_norm_reference)
 
-warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 warns at every Triton lowering
+warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 warns at every Pallas-Triton lowering (rms_norm, the loss)
 
 
 def bench(fn, input_sets, *, calls: int, batches: int) -> float:
@@ -91,9 +91,14 @@ def attention_rows(args, results):
     configs = {impl: [("default", None)] for impl in impls}
     if args.sweep or args.sweep_all:
         fab, mbs = FlashAttentionBlockSizes, MosaicBlockSizes
+        # Triton variants as changes to the head dim's defaults (tiles are query x key).
+        tvariant = lambda **kw: lambda e: dataclasses.replace(fab.for_head_dim(e), **kw)  # noqa: E731
         configs["triton"] += [
-            ("dkdv_w4_dq_w4", fab(num_warps_dkdv=4, num_warps_dq=4)),
-            ("dkdv64x128_dq128x64", fab(block_q_dkv=64, block_q_dq=128, block_k_dq=64)),
+            ("fwd128x128", tvariant(block_k=128)),
+            ("dkdv32x64_dq64x32_w4", tvariant(block_q_dkv=32, block_k_dkv=64, block_q_dq=64, block_k_dq=32,
+                                              num_warps_dkdv=4, num_warps_dq=4)),  # the defaults until 2026-11-26
+            ("bwd_stages2", tvariant(num_stages_dkdv=2, num_stages_dq=2)),
+            ("bwd_stages4", tvariant(num_stages_dkdv=4, num_stages_dq=4)),
         ]
         # Mosaic variants as changes to the head dim's defaults.
         variant = lambda **kw: lambda e: dataclasses.replace(mbs.for_head_dim(e), **kw)  # noqa: E731
@@ -114,7 +119,7 @@ def attention_rows(args, results):
                 continue  # [B, H, S, S] fp32 scores: 17 GB per copy at S=16384
             if impl not in args.impls.split(","):
                 continue
-            swept = args.sweep_all or (b, s, kh, causal) == (4, 4096, 16, True)
+            swept = args.sweep_all or ((b, s, causal) == (4, 4096, True) and e == 128)  # causal MHA and GQA
             for cname, bs in (configs[impl] if swept else configs[impl][:1]):
                 fn = make(causal, bs(e) if callable(bs) else bs)
                 name = f"attn {'causal' if causal else 'full'} B{b} S{s} H{h} K{kh} E{e} {impl}"
@@ -264,7 +269,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench_kernels.json")
     p.add_argument("--quick", action="store_true", help="one attention shape each of MHA/GQA")
-    p.add_argument("--sweep", action="store_true", help="also try a few attention block configs")
+    p.add_argument("--sweep", action="store_true",
+                   help="also try a few attention block configs (causal B4 S4096 E128, MHA and GQA)")
     p.add_argument("--only", default="attention,rms_norm,cross_entropy")
     p.add_argument("--impls", default="mosaic,triton,cudnn,xla_ref", help="the attention implementations to time")
     p.add_argument("--sweep-all", action="store_true", help="the --sweep configs on every attention case")

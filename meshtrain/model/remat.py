@@ -18,19 +18,16 @@ from __future__ import annotations
 import jax
 
 from meshtrain.config import CHECKPOINT_POINTS
+from pallas_kernels import FLASH_FORWARD_OUTPUTS
 
 
 def fused_attention_forward(prim, *_, **params) -> bool:
-    """The forward kernel of a fused attention: cuDNN's (jax.nn.dot_product_attention) or the Pallas
-    flash attention's (Triton: a pallas_call; Mosaic GPU: an mpmd_map). Each sits inside a custom_vjp
-    whose forward rule the policy sees, and their outputs are exactly the residuals the matching
-    backward kernel reads."""
+    """The forward kernel of a fused attention: cuDNN's (jax.nn.dot_product_attention) or the flash
+    attention's of pallas_kernels (any backend: it names its outputs). Each sits inside a custom_vjp whose
+    forward rule the policy sees, and their outputs are exactly the residuals the matching backward reads."""
     if prim.name == "dot_product_attention_fwd_wrapper":
         return True
-    if prim.name in ("pallas_call", "mpmd_map"):
-        name = str(params.get("name_and_src_info", params.get("name", "")))
-        return name.startswith("flash_attention_fwd")
-    return False
+    return prim.name == "name" and params.get("name") == FLASH_FORWARD_OUTPUTS
 
 
 def remat_policy(name: str):
