@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import all_eqns
 from pallas_kernels import MosaicBlockSizes, flash_attention, flash_attention_reference
 from pallas_kernels.mosaic_common import is_hopper
 
@@ -152,7 +153,8 @@ def _mosaic_plan(causal, has_seg, t=250, pad=256, blocks=None):
 @pytest.mark.parametrize("causal,has_seg,dq_atomic", [(True, False, False), (False, True, False), (True, True, True)])
 def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
     """The kernel bodies trace to jaxprs (no GPU needed): what the CPU can check of them. Each kernel is
-    one mpmd_map."""
+    one mpmd_map; the forward's is the one the remat policy `save_dots_attn` keeps."""
+    from meshtrain.model.remat import fused_attention_forward
     from pallas_kernels.mosaic_attention_bwd import mosaic_attention_backward
     from pallas_kernels.mosaic_attention_fwd import mosaic_attention_forward
     plan = _mosaic_plan(causal, has_seg, blocks=MosaicBlockSizes(dq_atomic=dq_atomic))
@@ -164,6 +166,29 @@ def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
     bwd = jax.make_jaxpr(lambda q, k, v: mosaic_attention_backward(q, k, v, seg, seg, q, lse, q, lse, plan))(q, kv, kv)
     kernels = lambda jx: [e for e in jx.jaxpr.eqns if e.primitive.name == "mpmd_map"]
     assert [e.params["name"] for e in kernels(fwd)] == ["flash_attention_fwd_mosaic"]
+    assert [fused_attention_forward(e.primitive, **e.params) for e in kernels(fwd)] == [True]
     names = [e.params["name"] for e in kernels(bwd)]
     assert names == (["flash_attention_dkdv_mosaic"] if dq_atomic else
                      ["flash_attention_dkdv_mosaic", "flash_attention_dq_mosaic"])
+    assert not any(fused_attention_forward(e.primitive, **e.params) for e in kernels(bwd))
+
+
+@pytest.mark.parametrize("policy,fwd_calls", [("save_dots", 2), ("save_dots_attn", 1)])
+def test_remat_policy_keeps_the_mosaic_forward(policy, fwd_calls):
+    """Under save_dots_attn the gradient runs the Mosaic forward kernel once, under save_dots twice (traced
+    on any backend). The kernel has effects, so it is never dropped from a recomputation: the policy must
+    save the kernel itself, not only its named outputs."""
+    from meshtrain.model.remat import remat_policy
+    from pallas_kernels.flash_attention import _flash
+    plan = _mosaic_plan(causal=True, has_seg=False, t=256)
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        q = q @ jnp.eye(128, dtype=q.dtype)  # a saved dot in front, as the projections are
+        o, lse = _flash(q, k, v, None, None, plan)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(lse)
+
+    grad = jax.grad(jax.checkpoint(loss, policy=remat_policy(policy)), argnums=(0, 1, 2))
+    eqns = all_eqns(jax.make_jaxpr(grad)(q, q, q).jaxpr)
+    names = [e.params["name"] for e in eqns if e.primitive.name == "mpmd_map"]
+    assert names.count("flash_attention_fwd_mosaic") == fwd_calls, names

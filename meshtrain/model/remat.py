@@ -23,10 +23,16 @@ from pallas_kernels import FLASH_FORWARD_OUTPUTS
 
 def fused_attention_forward(prim, *_, **params) -> bool:
     """The forward kernel of a fused attention: cuDNN's (jax.nn.dot_product_attention) or the flash
-    attention's of pallas_kernels (any backend: it names its outputs). Each sits inside a custom_vjp whose
-    forward rule the policy sees, and their outputs are exactly the residuals the matching backward reads."""
+    attention's of pallas_kernels. Each sits inside a custom_vjp whose forward rule the policy sees, and
+    their outputs are exactly the residuals the matching backward reads.
+
+    The flash attention names its outputs (o, lse) whichever backend ran; that is enough where the kernel
+    is pure (Triton's), since what the backward does not read is then dropped from the recomputation.
+    A Mosaic GPU kernel (an mpmd_map) has effects and is never dropped, so it is itself what is saved."""
     if prim.name == "dot_product_attention_fwd_wrapper":
         return True
+    if prim.name == "mpmd_map":
+        return str(params.get("name", "")).startswith("flash_attention_fwd")
     return prim.name == "name" and params.get("name") == FLASH_FORWARD_OUTPUTS
 
 
