@@ -1,4 +1,5 @@
-"""Pallas kernels for meshtrain (imports jax only). Each kernel has a jnp reference beside it."""
+"""Kernels for meshtrain, each with a jnp reference beside it: Pallas (Mosaic GPU, Triton lowering) and
+Triton-language ones. Imports jax only; triton and jax-triton when a Triton kernel first runs."""
 from pallas_kernels.attention_plan import FlashAttentionBlockSizes, MosaicBlockSizes
 from pallas_kernels.attention_reference import flash_attention_reference
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,

@@ -4,8 +4,8 @@ checks one element-wise Triton kernel called through `jax_triton.triton_call`, e
   pip install --no-deps --target /tmp/jt jax_triton-*.whl   # e.g. a wheel carried to an offline GPU machine
   PYTHONPATH=/tmp/jt python3 scripts/probe_jax_triton.py
 
-Exit status 0 when both results are right. (pallas_kernels' pre-Hopper flash attention still runs
-Pallas's Triton lowering; docs/KERNELS_NOTES.md, "The Triton fallback and jax-triton".)
+Exit status 0 when both results are right. (pallas_kernels' Triton flash attention goes through
+jax-triton the same way; docs/KERNELS_NOTES.md, "The Triton fallback on jax-triton".)
 """
 from __future__ import annotations
 

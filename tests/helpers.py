@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.config import MESH_AXES, Config, build_config, validate, with_mesh
@@ -130,3 +131,16 @@ def all_eqns(jaxpr):
                 inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
                 if inner is not None and hasattr(inner, "eqns"):
                     yield from all_eqns(inner)
+
+
+def packed_segment_ids(b: int, t: int, lengths) -> jax.Array:
+    """[b, t] int32 segment ids of packed documents: the given lengths in turn (each row starting one
+    document further along), the last one cut at t."""
+    ids = np.zeros((b, t), np.int32)
+    for row in range(b):
+        pos, doc = 0, 0
+        while pos < t:
+            n = lengths[(doc + row) % len(lengths)]
+            ids[row, pos:pos + n] = doc
+            pos, doc = pos + n, doc + 1
+    return jnp.asarray(ids)

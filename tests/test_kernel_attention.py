@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import packed_segment_ids
 from pallas_kernels import FlashAttentionBlockSizes, flash_attention, flash_attention_reference
 
 # Small tiles so every test walks several blocks (and the dkdv/dq tiles differ from the forward's).
@@ -157,18 +158,6 @@ def test_bad_dtype_and_block_sizes_raise():
         FlashAttentionBlockSizes(block_k=24)
 
 
-def _packed_ids(b, t, lengths):
-    """[b, t] segment ids: documents of the given lengths, repeated, then ids of their own."""
-    ids = np.zeros((b, t), np.int32)
-    for row in range(b):
-        pos, doc = 0, 0
-        while pos < t:
-            n = lengths[(doc + row) % len(lengths)]
-            ids[row, pos:pos + n] = doc
-            pos, doc = pos + n, doc + 1
-    return jnp.asarray(ids)
-
-
 GPU_CASES = {
     # name: (b, t, s, h, k, e, causal, dtype, document lengths); the Mosaic tests' cases, and what only
     # the Triton kernels take (head dims 32 and 256, float32).
@@ -189,7 +178,7 @@ def test_gpu_triton_matches_reference(case):
     """The Triton kernels compiled by Triton (through jax-triton), against the reference."""
     b, t, s, h, k, e, causal, dtype, lengths = GPU_CASES[case]
     q, kk, v, do, dlse = _inputs(7, b, t, s, h, k, e, dtype)
-    seg = _packed_ids(b, t, lengths) if lengths else None
+    seg = packed_segment_ids(b, t, lengths) if lengths else None
     common = dict(causal=causal, segment_ids=seg, return_lse=True)
     got = _outputs_and_grads(functools.partial(flash_attention, backend="triton", **common), q, kk, v, do, dlse)
     with jax.default_matmul_precision("float32"):  # XLA may otherwise take tf32 for the fp32 case

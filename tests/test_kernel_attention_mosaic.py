@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import all_eqns
+from helpers import all_eqns, packed_segment_ids
 from pallas_kernels import MosaicBlockSizes, flash_attention, flash_attention_reference
 from pallas_kernels.mosaic_common import is_hopper
 
@@ -41,18 +41,6 @@ def _outputs_and_grads(fn, q, k, v, do, dlse):
         (o, lse), vjp = jax.vjp(fn, q, k, v)
         return (o, lse) + vjp((do, dlse))
     return jax.jit(run)(q, k, v)
-
-
-def _packed_ids(b, t, lengths):
-    """[b, t] segment ids: documents of the given lengths, repeated, then a padding id."""
-    ids = np.full((b, t), 99, np.int32)
-    for row in range(b):
-        pos, doc = 0, 0
-        while pos < t:
-            n = lengths[(doc + row) % len(lengths)]
-            ids[row, pos:pos + n] = doc
-            pos, doc = pos + n, doc + 1
-    return jnp.asarray(ids)
 
 
 CASES = {
@@ -85,7 +73,7 @@ CASES = {
 def test_mosaic_matches_reference(case):
     b, t, s, h, k, e, causal, dtype, lengths, bs = CASES[case]
     q, kk, v, do, dlse = _inputs(3, b, t, s, h, k, e, dtype)
-    seg = _packed_ids(b, t, lengths) if lengths else None
+    seg = packed_segment_ids(b, t, lengths) if lengths else None
     common = dict(causal=causal, segment_ids=seg, return_lse=True)
     got = _outputs_and_grads(functools.partial(flash_attention, backend="mosaic", block_sizes=bs, **common),
                              q, kk, v, do, dlse)
