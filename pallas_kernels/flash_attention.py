@@ -28,7 +28,7 @@ BACKENDS = ("auto", "mosaic", "triton")
 # backward kernels read, which `train.remat=save_dots_attn` keeps so the backward never reruns the forward.
 FORWARD_OUTPUTS = "flash_attention_forward_outputs"
 # Which backend `auto` takes where both can run (Hopper, head dim 64 or 128, bf16/fp16): Mosaic measured
-# 1.3-2.3x faster than Triton forward+backward on an H100 (docs/KERNELS_NOTES.md).
+# 1.06-1.45x faster than the Triton kernels forward+backward on an H100 (docs/PERFORMANCE.md, 2026-11-26).
 AUTO_ON_HOPPER = "mosaic"
 
 

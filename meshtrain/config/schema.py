@@ -59,7 +59,8 @@ class ModelConfig:
     attention: Literal["auto", "reference", "cudnn", "pallas"] = "auto"  # auto: cudnn on GPUs (bf16/fp16)
     # Which flash-attention kernels the Pallas path runs (pallas_kernels.flash_attention's backend): auto is
     # Mosaic GPU on Hopper and Triton elsewhere. Mosaic compiles each call site at the first step (~6 s per
-    # layer of an unrolled stack); triton compiles faster, and its attention takes 1.3-2.3x as long (docs/KERNELS_NOTES.md).
+    # layer of an unrolled stack); triton compiles faster, and its attention takes 1.06-1.45x as long
+    # (docs/PERFORMANCE.md).
     attention_kernel: Literal["auto", "mosaic", "triton"] = "auto"
     cp_impl: Literal["ring", "allgather"] = "ring"  # context parallelism: K/V round a ring, or all-gathered
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
