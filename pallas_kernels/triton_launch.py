@@ -21,6 +21,7 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # The interpreter keeps its grid position in module globals: one launch at a time in a process,
@@ -41,7 +42,8 @@ def launch(module: str, kernel: str, *args, out_shape, grid: tuple[int, ...], nu
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
-def _import_triton(interpret: bool):
+def _import_triton(interpret: bool) -> None:
+    """Imports triton in the mode this launch needs (see the module docstring), or says why it cannot."""
     if interpret and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -49,6 +51,9 @@ def _import_triton(interpret: bool):
     except ImportError as e:
         raise ImportError("flash_attention's Triton backend needs the `triton` package (pip install "
                           "'meshtrain[triton]' on a GPU, 'meshtrain[test]' for the interpreter)") from e
+    if not hasattr(triton, "knobs"):
+        raise ImportError(f"flash_attention's Triton backend needs triton >= 3.6 (jax-triton's floor); this is "
+                          f"{triton.__version__}")
     if bool(triton.knobs.runtime.interpret) != interpret:
         if interpret:
             raise RuntimeError("interpret=True runs Triton's interpreter, but this process imported triton "
@@ -56,7 +61,6 @@ def _import_triton(interpret: bool):
         raise RuntimeError("Triton's interpreter is on in this process (TRITON_INTERPRET=1, or an earlier "
                            "interpret=True launch), so its kernels cannot be compiled for the GPU; unset "
                            "TRITON_INTERPRET, or pass interpret=True")
-    return triton
 
 
 def _jax_triton():
@@ -84,7 +88,7 @@ def _interpretable(dtype) -> np.dtype:
     """The dtype an array crosses into the interpreter as. Triton's interpreter keeps bfloat16 as its raw
     16 bits and its tl.dot multiplies those as integers (triton 3.9), so bfloat16 goes in as float32
     (and outputs come back rounded): interpreted, a bfloat16 kernel computes in float32."""
-    return np.dtype(np.float32) if dtype == jax.numpy.bfloat16 else np.dtype(dtype)
+    return np.dtype(np.float32) if dtype == jnp.bfloat16 else np.dtype(dtype)
 
 
 class _HostTensor:

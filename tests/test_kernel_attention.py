@@ -206,3 +206,12 @@ def test_gpu_triton_path_prints_no_deprecation_warning(capfd):
         jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
     assert not [w for w in caught if issubclass(w.category, DeprecationWarning)], [str(w.message) for w in caught]
     assert "deprecat" not in capfd.readouterr().err.lower()
+
+
+def test_compiled_launch_after_interpreted_one_is_a_clear_error():
+    """Triton's interpreter is a mode of the whole process: once a launch turned it on, a launch that
+    wants the compiled kernels says so instead of failing inside Triton."""
+    q = jnp.ones((1, 16, 2, 64), jnp.float32)
+    flash_attention(q, q, q, interpret=True, backend="triton")
+    with pytest.raises(RuntimeError, match="Triton's interpreter is on in this process"):
+        flash_attention(q, q, q, interpret=False, backend="triton")
