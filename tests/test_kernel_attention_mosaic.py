@@ -9,14 +9,13 @@ Tolerance: relative L2 error 2e-2 for bf16/fp16, as for the Triton kernel: p (an
 backward) is rounded to the input dtype before its second matmul, 2^-8 relative per element in bf16.
 """
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import all_eqns, packed_segment_ids
+from helpers import all_eqns, assert_attention_grad_prints_no_deprecation, packed_segment_ids
 from pallas_kernels import MosaicBlockSizes, flash_attention, flash_attention_reference
 from pallas_kernels.mosaic_common import is_hopper
 
@@ -93,14 +92,8 @@ def test_mosaic_matches_reference(case):
 @pytest.mark.gpu
 @hopper
 def test_default_path_prints_no_deprecation_warning(capfd):
-    # jax 0.11 warns at every call of a Pallas kernel lowered through Triton; `auto` on Hopper runs none.
-    q, k, v, do, _ = _inputs(0, 1, 256, 256, 4, 2, 128, jnp.bfloat16)
-    loss = lambda q, k, v: jnp.vdot(flash_attention(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
-    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)], [str(w.message) for w in caught]
-    assert "deprecat" not in capfd.readouterr().err.lower()
+    # `auto` on Hopper runs the Mosaic kernels, none lowered through Pallas's Triton backend.
+    assert_attention_grad_prints_no_deprecation(flash_attention, capfd)
 
 
 def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():
