@@ -146,31 +146,48 @@ def format_record(r: dict[str, Any]) -> str:
 class Throughput:
     """Seconds per step between the moments the host saw two steps finish.
 
+    A step's interval ends at the first moment the host sees that step done: when it waits for the step
+    (to save, evaluate or trace), when the dispatch returns with the step already run (a CPU runtime
+    may run a step whose inputs are ready in the calling thread), or else when its metrics are read,
+    which the loop does after dispatching the next step. Host work after that moment belongs to the
+    next interval, and so does the next step's inline run.
+
     The first finished step includes compilation, so it only sets the baseline; a record logged at
     that very step reports its wall time since the loop started (compilation included).
     """
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
-        self.mark: tuple[float, int] | None = None  # (time, step) of the last baseline
-        self.paused = 0.0  # host seconds since the baseline spent on other work (checkpoints, eval)
+        self.mark: tuple[float, int, float] | None = None  # (time, step, paused_total) of the last baseline
+        self.paused_total = 0.0  # host seconds spent on other work (checkpoints, eval) since the start
+        self.seen: dict[int, tuple[float, float]] = {}  # step -> (time, paused_total) when first seen done
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` of host time (a checkpoint save, an evaluation) out of the step time."""
-        self.paused += seconds
+        self.paused_total += seconds
+
+    def finished(self, step: int) -> None:
+        """The host has just seen `step` done; its interval ends here even if it is read later."""
+        self.seen.setdefault(step, (time.perf_counter(), self.paused_total))  # the first sight counts
+
+    def _end(self, step: int) -> tuple[float, float]:
+        """(time, paused_total) at the end of `step`'s interval."""
+        end = self.seen.get(step) or (time.perf_counter(), self.paused_total)
+        self.seen = {s: v for s, v in self.seen.items() if s > step}
+        return end
 
     def seconds_per_step(self, step: int) -> tuple[float, float]:
         """Call when `step` is known to be finished; moves the baseline to it. Returns (seconds per step,
         seconds paused in the interval)."""
-        now = time.perf_counter()
-        paused, self.paused = self.paused, 0.0
+        end, total = self._end(step)
+        paused = total - (self.mark[2] if self.mark else 0.0)
         if self.mark is None or step <= self.mark[1]:
-            dt = now - self.started - paused
+            dt = end - self.started - paused
         else:
-            dt = (now - self.mark[0] - paused) / (step - self.mark[1])
-        self.mark = (now, step)
+            dt = (end - self.mark[0] - paused) / (step - self.mark[1])
+        self.mark = (end, step, total)
         return dt, paused
 
     def first_step_done(self, step: int) -> None:
-        self.mark = (time.perf_counter(), step)
-        self.paused = 0.0
+        end, total = self._end(step)
+        self.mark = (end, step, total)

@@ -4,8 +4,8 @@ The window is counted like the state's step counter: START:END traces the steps 
 START to END (the steps logged as START+1 .. END). Before the first one the host waits for the work
 already queued, so the trace starts clean; after the last one it waits for that step's outputs, so
 the trace holds its device work, then stops. Starting and writing the trace are kept off the logged
-step time; the two waits stay on it, being the steps' own device time (trainer.py says where they
-must come). Steps outside the window run exactly as without it: a few comparisons per step.
+step time; the two waits stay on it, being the steps' own device time (the trainer passes them in, as
+each also ends its step's interval: metrics.Throughput). Steps outside the window run exactly as without it: a few comparisons per step.
 
 The trace is what `jax.profiler` writes: `<run.dir>/profile/plugins/profile/<time>/<host>.trace.json.gz`
 (Chrome trace format, read by `python -m meshtrain.profile_table`), a `perfetto_trace.json.gz` beside it
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 
@@ -46,13 +46,13 @@ class StepTrace:
         elif self.window and first_step > self.window[0]:  # resumed inside the window: trace what is left
             self.window = (first_step, self.window[1])
 
-    def begin(self, step: int, pending: Any) -> float:
+    def begin(self, step: int, wait: Callable[[], None]) -> float:
         """Called before dispatching step `step` (0-based, as the step counter before it runs): at the
-        window's first step, waits for `pending` (the state the previous steps produced), then starts
-        the trace. Returns the host seconds spent starting it, to be kept off the throughput clock."""
+        window's first step, calls `wait` (which waits for the state the previous steps produced), then
+        starts the trace. Returns the host seconds spent starting it, to be kept off the throughput clock."""
         if self.active or self.window is None or not self.window[0] <= step < self.window[1]:
             return 0.0
-        jax.block_until_ready(pending)
+        wait()
         began = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
         jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
@@ -69,14 +69,14 @@ class StepTrace:
             yield
         self.last = step  # dispatched: an early stop's trace reaches this far
 
-    def after(self, step: int, outputs: Any, program: Callable[[], str] | None = None) -> float:
-        """Called after dispatching step `step`: stops the trace once the window's last step is done, and
-        writes `program()` (the step's optimized HLO text) beside it as PROGRAM_FILE. Returns the host
-        seconds spent writing both, to be kept off the throughput clock (the wait for `outputs` is not
-        among them: it is that step's device time)."""
+    def after(self, step: int, wait: Callable[[], None], program: Callable[[], str] | None = None) -> float:
+        """Called after dispatching step `step`: once the window's last step is dispatched, calls `wait`
+        (which waits for that step's outputs), stops the trace and writes `program()` (the step's
+        optimized HLO text) beside it as PROGRAM_FILE. Returns the host seconds spent writing both, to be
+        kept off the throughput clock (the wait is not among them: it is that step's device time)."""
         if not (self.active and step + 1 >= self.window[1]):
             return 0.0
-        jax.block_until_ready(outputs)
+        wait()
         began = time.perf_counter()
         self.stop()
         if program is not None:

@@ -163,10 +163,14 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
 
     timer = Throughput()
 
+    def wait_for(step_no: int, outputs) -> None:
+        """Wait for step `step_no`'s outputs; the moment they exist ends that step's interval."""
+        jax.block_until_ready(outputs)
+        timer.finished(step_no)
+
     def paused(work, *args):
-        """Run host-side work (save, eval) off the throughput clock; the step it waits for stays on it.
-        Call it only after the previous step was read (see the loop)."""
-        jax.block_until_ready(state)
+        """Run host-side work (save, eval) off the throughput clock; the step it waits for stays on it."""
+        wait_for(done, state)
         began = time.perf_counter()
         out = work(*args)
         timer.pause(time.perf_counter() - began)
@@ -207,21 +211,20 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         try:
             for step in range(start, t.steps):
                 # Starting a trace waits for `state`, which the read below waits for anyway.
-                timer.pause(trace.begin(step, state))
+                timer.pause(trace.begin(step, wait=lambda: wait_for(step, state)))
                 batch = feed.get(step)
                 with trace.step(step):
                     state, metrics = step_fn(state, batch)
+                done = step + 1
+                if jax.tree.leaves(metrics)[0].is_ready():  # run inline by the dispatch (a CPU may)
+                    timer.finished(done)
                 if pending is not None:
                     read(*pending)
-                pending = (step + 1, metrics)
-                # Waiting for this step (to stop the trace, save, evaluate) only after the previous one was
-                # read: the read ends the previous step's interval, so a wait before it would move this
-                # step's device time into that interval and leave this step's own interval near empty.
+                pending = (done, metrics)
                 if trace.active:  # the program: the same signature as the step just run, a cache hit
-                    timer.pause(trace.after(step, (state, metrics),
+                    timer.pause(trace.after(step, wait=lambda: wait_for(done, (state, metrics)),
                                             program=lambda: step_fn.lower(state, batch).compile().as_text()))
                 log.advance()
-                done = step + 1
                 if ckpt and cfg.checkpoint.every and (done % cfg.checkpoint.every == 0 or done == t.steps):
                     paused(ckpt.save, done, state, setup.cfg.to_dict())
                 if eval_step and not stop.raised and (done % cfg.eval.every == 0 or done == t.steps):
