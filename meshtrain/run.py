@@ -100,7 +100,8 @@ def train_from(cfg) -> int:
         mesh = build_mesh(degrees)
         if cfg.run.memory_guard:  # before any allocation: a config that cannot fit stops here, in one line
             from meshtrain.planning import guard
-            guard.check(cfg, mesh.devices.size, mesh.devices.flat[0].platform, guard.device_limit())
+            guard.check(cfg, mesh.devices.size, mesh.devices.flat[0].platform, guard.device_limit(),
+                        xla_flags.gpu_memory_fraction())
     except ConfigError as e:
         return fail(e)
     if jax.process_index() == 0:

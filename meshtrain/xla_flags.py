@@ -23,7 +23,12 @@ and ZeRO-3 this took the step from 296.6-297.4 to 292.5-293.4 ms (two interleave
 512 MiB gave 295.7 ms, and the 8B-shaped stack did not move (274.0 vs 273.4 ms). A later call, with
 this default on, measured 297.2 ms, so the gain is at the edge of the run-to-run spread.
 
-A flag the user already set in XLA_FLAGS wins.
+GPU memory (`run.gpu_memory_fraction`): jax's allocator takes 75% of each GPU by default, leaving the
+rest to other processes. The full Llama-3-8B at 6 sequences per GPU (fsdp=4, 121 GiB peak on 141 GiB
+H200s) runs only with 0.95 (docs/PERFORMANCE.md, "Four H200s"), so a config can raise it.
+
+A flag the user already set in XLA_FLAGS wins, as does an XLA_PYTHON_CLIENT_MEM_FRACTION in the
+environment.
 """
 from __future__ import annotations
 
@@ -51,10 +56,25 @@ def flags_for(matmul_recipe: str, tp: int = 1, tp_overlap: str = "none", fsdp: i
     return flags
 
 
+MEM_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+JAX_DEFAULT_MEM_FRACTION = 0.75
+
+
 def apply_config(cfg, environ=os.environ) -> list[str]:
-    """`apply` for a whole Config: what `python -m meshtrain.run` calls before jax starts."""
+    """`apply` for a whole Config, and its GPU memory fraction: what `python -m meshtrain.run` calls
+    before jax starts."""
     m = cfg.mesh
+    if cfg.run.gpu_memory_fraction and MEM_FRACTION_VAR not in environ:
+        environ[MEM_FRACTION_VAR] = str(cfg.run.gpu_memory_fraction)
     return apply(flags_for(cfg.precision.matmul, m.tp, cfg.model.tp_overlap, m.fsdp, m.fsdp_combine_mib), environ)
+
+
+def gpu_memory_fraction(environ=os.environ) -> float:
+    """The share of each GPU that jax's allocator takes in this process."""
+    try:
+        return float(environ.get(MEM_FRACTION_VAR, JAX_DEFAULT_MEM_FRACTION))
+    except ValueError:  # jax itself will complain about it
+        return JAX_DEFAULT_MEM_FRACTION
 
 
 def apply(flags: tuple[str, ...], environ=os.environ) -> list[str]:

@@ -272,6 +272,21 @@ def test_guard_names_consumers_and_cheapest_fix():
     guard.check(cfg, 8, "gpu", device_bytes=est * 1.01)  # fits: no error
 
 
+def test_guard_first_suggests_a_larger_allocator_share_when_the_gpu_has_room():
+    cfg = build_config({}, SHAPE + ["mesh.dp=2", "mesh.fsdp=4", "train.zero_stage=1"])
+    est = estimate(cfg, Layout.of(cfg), "flash").total  # what the guard estimates on a GPU
+    with pytest.raises(ConfigError) as e:  # 0.75 of the GPU is 0.9x the estimate: 0.95 of it is 1.14x
+        guard.check(cfg, 8, "gpu", device_bytes=est * 0.9, memory_fraction=0.75)
+    msg = e.value.problems[0]
+    assert "cheapest change that fits: run.gpu_memory_fraction=0.95 (" in msg and ", or train." in msg, msg
+    with pytest.raises(ConfigError) as e:  # the allocator already takes 95%: only the config can change
+        guard.check(cfg, 8, "gpu", device_bytes=est * 0.9, memory_fraction=0.95)
+    assert "gpu_memory_fraction" not in e.value.problems[0]
+    with pytest.raises(ConfigError) as e:  # even 95% of this GPU is too small
+        guard.check(cfg, 8, "gpu", device_bytes=est * 0.5, memory_fraction=0.75)
+    assert "gpu_memory_fraction" not in e.value.problems[0]
+
+
 def test_llama3_8b_on_this_cpu_stops_with_one_line():
     # The guard runs before init_state: the 8B parameters are never drawn (the process would need
     # ~128 GiB). A generous timeout: if it ever allocated, it would be killed, not slow.

@@ -52,3 +52,22 @@ def test_unknown_overlap_is_a_config_error(capsys):
     assert main(["model.tp_overlap=ring"]) == 2
     err = capsys.readouterr().err
     assert "model.tp_overlap" in err and "windowed_einsum" in err
+
+
+def test_gpu_memory_fraction_is_set_before_jax_unless_the_environment_has_one():
+    env = {}
+    xla_flags.apply_config(load_config(None, ["run.gpu_memory_fraction=0.95"]), env)
+    assert env[xla_flags.MEM_FRACTION_VAR] == "0.95" and xla_flags.gpu_memory_fraction(env) == 0.95
+    env = {xla_flags.MEM_FRACTION_VAR: ".8"}  # the user's own setting wins
+    xla_flags.apply_config(load_config(None, ["run.gpu_memory_fraction=0.95"]), env)
+    assert env[xla_flags.MEM_FRACTION_VAR] == ".8"
+    env = {}
+    xla_flags.apply_config(load_config(None, []), env)  # 0: jax's default
+    assert xla_flags.MEM_FRACTION_VAR not in env and xla_flags.gpu_memory_fraction(env) == 0.75
+
+
+def test_gpu_memory_fraction_out_of_range_is_a_config_error(capsys):
+    from meshtrain.run import main
+    assert main(["run.gpu_memory_fraction=1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "run.gpu_memory_fraction=1.5" in err and "(0, 1]" in err

@@ -204,6 +204,10 @@ class RunConfig:
     progress: bool = True  # live progress bar on a terminal
     cpu_devices: int = 8  # simulated devices when only a CPU is found (set before jax starts)
     memory_guard: bool = True  # refuse a config whose memory estimate exceeds the device (host on CPU)
+    # Share of each GPU's memory that jax's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, set before
+    # jax starts unless the environment sets it); 0 keeps jax's 0.75. A process alone on its GPUs can
+    # take 0.9-0.95 for larger batches.
+    gpu_memory_fraction: float = 0.0
     tensorboard: bool = False  # also write every metric as TensorBoard events to <run.dir>/tensorboard
     # "START:END": trace the steps that take the state's step counter from START to END into
     # <run.dir>/profile (docs/PROFILE.md); empty for none.

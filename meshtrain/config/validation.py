@@ -224,6 +224,9 @@ def validate_new_sections(cfg: Config) -> list[str]:
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         problems.append("run.tensorboard=true needs the tensorboardX package: pip install 'meshtrain[tensorboard]'")
     problems.extend(profile_problems(cfg))
+    if not 0 <= cfg.run.gpu_memory_fraction <= 1:
+        problems.append(f"run.gpu_memory_fraction={cfg.run.gpu_memory_fraction}: must be in (0, 1], or 0 for jax's "
+                        f"default (0.75)")
     if d.source == "file" and e.every and not (d.eval_fraction or d.eval_path):
         problems.append(f"eval.every={e.every} needs held-out data: set data.eval_fraction (e.g. 0.01, the end of "
                         f"data.path) or data.eval_path")

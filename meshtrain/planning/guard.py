@@ -3,7 +3,9 @@
 Device memory comes from the backend (GPUs report `bytes_limit`); CPU devices share the host's
 memory, so their estimates are summed and compared with what the host has available. The error
 names the biggest consumers and the cheapest change that fits (tried in order of how little they
-cost in speed), as config overrides the user can paste. `run.memory_guard=false` skips it.
+cost in speed), as config overrides the user can paste; on a GPU whose allocator takes less than 95%
+of it, a larger `run.gpu_memory_fraction` comes first, costing no speed at all. `run.memory_guard=false`
+skips it.
 """
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from dataclasses import replace
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.planning.memory import Layout, estimate
+from meshtrain.xla_flags import JAX_DEFAULT_MEM_FRACTION
+
+# The allocator share the guard suggests when only the allocator's limit stands in the way: what the full
+# Llama-3-8B at 6 sequences per GPU ran with (docs/PERFORMANCE.md, "Four H200s").
+LARGE_MEM_FRACTION = 0.95
 
 REMAT_ORDER = ("none", "save_dots_attn", "save_attn", "save_dots", "full")  # least to most recomputation
 
@@ -47,20 +54,27 @@ def _fixes(lay: Layout, cfg: Config) -> list[tuple[str, Layout]]:
     return out
 
 
-def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None) -> None:
-    """Raise ConfigError when the estimate exceeds the memory available (see the module docstring)."""
+def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None,
+          memory_fraction: float = JAX_DEFAULT_MEM_FRACTION) -> None:
+    """Raise ConfigError when the estimate exceeds the memory available (see the module docstring).
+    `memory_fraction`: the share of a GPU that `device_bytes` is (jax's allocator takes 0.75 by default)."""
     lay = Layout.of(cfg)
     attn = "reference" if platform == "cpu" or cfg.model.attention == "reference" else "flash"
     est = estimate(cfg, lay, attn)
-    if platform == "cpu" or not device_bytes:
-        limit, per, where = host_available_bytes(), n_devices, "host memory available"
-    else:
+    gpu = platform != "cpu" and bool(device_bytes)
+    if gpu:
         limit, per, where = device_bytes, 1, "device memory"
+    else:
+        limit, per, where = host_available_bytes(), n_devices, "host memory available"
     need = est.total * per
     if need <= limit:
         return
     parts = ", ".join(f"{k} {v * per / GIB:.1f}" for k, v in est.biggest())
     fix = next((f for f, alt in _fixes(lay, cfg) if estimate(cfg, alt, attn).total * per <= limit), None)
+    if gpu and memory_fraction < LARGE_MEM_FRACTION and need <= limit / memory_fraction * LARGE_MEM_FRACTION:
+        fix = (f"run.gpu_memory_fraction={LARGE_MEM_FRACTION} (jax's allocator then takes {LARGE_MEM_FRACTION:.0%} of "
+               f"each GPU instead of {memory_fraction:.0%}; for a process that has its GPUs to itself)"
+               + (f", or {fix}" if fix else ""))
     hint = (f"the cheapest change that fits: {fix}" if fix else
             "no single change fits: use more devices, a smaller model (model.preset) or a shorter data.seq_len")
     scope = f"{n_devices} CPU devices together" if per > 1 else "per device"
