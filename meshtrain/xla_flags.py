@@ -24,7 +24,7 @@ and ZeRO-3 this took the step from 296.6-297.4 to 292.5-293.4 ms (two interleave
 this default on, measured 297.2 ms, so the gain is at the edge of the run-to-run spread.
 
 GPU memory (`run.gpu_memory_fraction`): jax's allocator takes 75% of each GPU by default, leaving the
-rest to other processes. The full Llama-3-8B at 6 sequences per GPU (fsdp=4, 121 GiB peak on 141 GiB
+rest to other processes. The full Llama-3-8B at 6 sequences per GPU (fsdp=4, 121 GiB peak on 141 GB
 H200s) runs only with 0.95 (docs/PERFORMANCE.md, "Four H200s"), so a config can raise it.
 
 A flag the user already set in XLA_FLAGS wins, as does an XLA_PYTHON_CLIENT_MEM_FRACTION in the

@@ -43,7 +43,7 @@ export JAX_NUM_PROCESSES=$SLURM_NTASKS
 # JAX_PROCESS_ID differs per task, so it is set inside srun below from SLURM_PROCID.
 
 # Optional GPU settings:
-# export XLA_PYTHON_CLIENT_MEM_FRACTION=0.90   # jax preallocates 75% of GPU memory by default
+# export XLA_PYTHON_CLIENT_MEM_FRACTION=0.90   # jax preallocates 75% of GPU memory by default (or run.gpu_memory_fraction)
 # export NCCL_DEBUG=WARN                       # INFO to see which network NCCL picked between nodes
 
 echo "meshtrain: ${SLURM_JOB_NUM_NODES} nodes x ${GPUS_PER_NODE} GPUs, coordinator ${JAX_COORDINATOR_ADDRESS}"
