@@ -70,18 +70,27 @@ def _visible(q_pos, k_pos, q_seg, k_seg, S_REAL: tl.constexpr, OFFSET: tl.conste
 
 
 @triton.jit
-def _fwd_step(acc, m, l, q, q_pos, q_seg, k_rows, v_rows, kseg_row, kb, cols,
-              KV_STRIDE: tl.constexpr, BK: tl.constexpr, SCALE2: tl.constexpr, S_REAL: tl.constexpr,
-              OFFSET: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr,
-              MASKED: tl.constexpr):
-    keys = kb * BK + tl.arange(0, BK)
-    k = tl.load(k_rows + keys[:, None] * KV_STRIDE + cols[None, :])
+def _scores(q, q_pos, q_seg, k, keys, kseg_row, SCALE2: tl.constexpr, S_REAL: tl.constexpr, OFFSET: tl.constexpr,
+            CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """[BQ, BK] scores q k^T in log2 units of a query block against key block `keys`; in a MASKED block,
+    -inf where a query does not see a key."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE2
     if MASKED:
         k_seg = tl.load(kseg_row + keys) if HAS_SEG else keys
         ok = _visible(q_pos[:, None], keys[None, :], q_seg[:, None], k_seg[None, :], S_REAL, OFFSET, CAUSAL,
                       HAS_SEG)
         s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fwd_step(acc, m, l, q, q_pos, q_seg, k_rows, v_rows, kseg_row, kb, cols,
+              KV_STRIDE: tl.constexpr, BK: tl.constexpr, SCALE2: tl.constexpr, S_REAL: tl.constexpr,
+              OFFSET: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr, PRECISION: tl.constexpr,
+              MASKED: tl.constexpr):
+    keys = kb * BK + tl.arange(0, BK)
+    k = tl.load(k_rows + keys[:, None] * KV_STRIDE + cols[None, :])
+    s = _scores(q, q_pos, q_seg, k, keys, kseg_row, SCALE2, S_REAL, OFFSET, CAUSAL, HAS_SEG, PRECISION, MASKED)
     m_new = tl.maximum(m, tl.max(s, 1))
     if MASKED:
         # A row whose keys so far are all masked has m_new = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -97,27 +106,35 @@ def _fwd_step(acc, m, l, q, q_pos, q_seg, k_rows, v_rows, kseg_row, kb, cols,
 
 
 @triton.jit
+def _query_block(QSEG, H: tl.constexpr, KH: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr,
+                 S_PAD: tl.constexpr, HAS_SEG: tl.constexpr, BQ: tl.constexpr):
+    """What a forward or dQ program (grid (Tp/BQ, B, H)) works on: (q_start, b, h, q_pos, q_rows, q_seg,
+    kv_offset). Query blocks run last-first: under a causal mask the late ones do the most work, and
+    starting them first evens out the tail of the launch. q_rows are the element offsets of its query
+    rows in a [B, Tp, H, E] array; kv_offset is where its kv head's rows start in [B, Sp, KH, E]."""
+    q_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BQ
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_pos = q_start + tl.arange(0, BQ)
+    q_rows = (b * T_PAD + q_pos) * (H * E) + h * E
+    q_seg = tl.load(QSEG + b * T_PAD + q_pos) if HAS_SEG else q_pos
+    kv_offset = b * S_PAD * (KH * E) + (h // (H // KH)) * E
+    return q_start, b, h, q_pos, q_rows, q_seg, kv_offset
+
+
+@triton.jit
 def fwd_kernel(Q, K, V, QSEG, KSEG, O, LSE,
                H: tl.constexpr, KH: tl.constexpr, E: tl.constexpr, T_PAD: tl.constexpr, S_PAD: tl.constexpr,
                T_REAL: tl.constexpr, S_REAL: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                SCALE2: tl.constexpr, SM_SCALE: tl.constexpr, PRECISION: tl.constexpr,
                BQ: tl.constexpr, BK: tl.constexpr):
-    """Grid (Tp/BQ, B, H): a program owns BQ queries of one head and streams K/V of its kv head.
-    Query blocks run last-first: under a causal mask the late ones do the most work, and starting
-    them first evens out the tail of the launch."""
+    """Grid (Tp/BQ, B, H): a program owns BQ queries of one head and streams K/V of its kv head
+    (_query_block)."""
     OFFSET: tl.constexpr = S_REAL - T_REAL
-    q_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BQ
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
-    kh = h // (H // KH)
-    q_pos = q_start + tl.arange(0, BQ)
+    q_start, b, h, q_pos, q_rows, q_seg, kv_offset = _query_block(QSEG, H, KH, E, T_PAD, S_PAD, HAS_SEG, BQ)
     cols = tl.arange(0, E)
-    q_rows = (b * T_PAD + q_pos) * (H * E) + h * E
     q = tl.load(Q + q_rows[:, None] + cols[None, :])
-    q_seg = tl.load(QSEG + b * T_PAD + q_pos) if HAS_SEG else q_pos
-    k_rows = K + b * S_PAD * (KH * E) + kh * E
-    v_rows = V + b * S_PAD * (KH * E) + kh * E
-    kseg_row = KSEG + b * S_PAD
+    k_rows, v_rows, kseg_row = K + kv_offset, V + kv_offset, KSEG + b * S_PAD
 
     acc = tl.zeros([BQ, E], tl.float32)
     m = tl.full([BQ], float("-inf"), tl.float32)
@@ -208,12 +225,7 @@ def _dq_step(dq, q, do, lse2, delta, q_pos, q_seg, k_rows, v_rows, kseg_row, kb,
     keys = kb * BK + tl.arange(0, BK)
     k = tl.load(k_rows + keys[:, None] * KV_STRIDE + cols[None, :])
     v = tl.load(v_rows + keys[:, None] * KV_STRIDE + cols[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE2
-    if MASKED:
-        k_seg = tl.load(kseg_row + keys) if HAS_SEG else keys
-        ok = _visible(q_pos[:, None], keys[None, :], q_seg[:, None], k_seg[None, :], S_REAL, OFFSET, CAUSAL,
-                      HAS_SEG)
-        s = tl.where(ok, s, float("-inf"))
+    s = _scores(q, q_pos, q_seg, k, keys, kseg_row, SCALE2, S_REAL, OFFSET, CAUSAL, HAS_SEG, PRECISION, MASKED)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -229,22 +241,14 @@ def dq_kernel(Q, K, V, DO, LSE2, DELTA, QSEG, KSEG, DQ,
     """Grid (Tp/BQ, B, H): like the forward, a program owns a query block and walks keys,
     recomputing p and dp rather than adding dQ up with atomics in the dK/dV kernel."""
     OFFSET: tl.constexpr = S_REAL - T_REAL
-    q_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BQ
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
-    kh = h // (H // KH)
-    q_pos = q_start + tl.arange(0, BQ)
+    q_start, b, h, q_pos, q_rows, q_seg, kv_offset = _query_block(QSEG, H, KH, E, T_PAD, S_PAD, HAS_SEG, BQ)
     cols = tl.arange(0, E)
-    q_rows = (b * T_PAD + q_pos) * (H * E) + h * E
     q = tl.load(Q + q_rows[:, None] + cols[None, :])
     do = tl.load(DO + q_rows[:, None] + cols[None, :])
     stat_row = (b * H + h) * T_PAD
     lse2 = tl.load(LSE2 + stat_row + q_pos)
     delta = tl.load(DELTA + stat_row + q_pos)
-    q_seg = tl.load(QSEG + b * T_PAD + q_pos) if HAS_SEG else q_pos
-    k_rows = K + b * S_PAD * (KH * E) + kh * E
-    v_rows = V + b * S_PAD * (KH * E) + kh * E
-    kseg_row = KSEG + b * S_PAD
+    k_rows, v_rows, kseg_row = K + kv_offset, V + kv_offset, KSEG + b * S_PAD
 
     dq = tl.zeros([BQ, E], tl.float32)
     n_safe, hi = _kv_bounds(q_start, BQ, BK, S_REAL, OFFSET, CAUSAL, HAS_SEG)
