@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from meshtrain.train_step import TrainState
+from meshtrain.step.state import TrainState
 
 
 class Checkpointer:

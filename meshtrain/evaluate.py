@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from meshtrain.evaluation import evaluate, make_eval_step
         from meshtrain.inference import load
-        from meshtrain.train_step import make_batches
+        from meshtrain.step.state import make_batches
 
         loaded = load(args.checkpoint, args.overrides, step=args.step)
         cfg = loaded.cfg

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 
 from meshtrain.data import Batch, Batches
 from meshtrain.sharding import replicated
-from meshtrain.train_step import Setup, loss_sum_fn
+from meshtrain.step.loss import loss_sum_fn
+from meshtrain.step.state import Setup
 
 
 def make_eval_step(setup: Setup) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
     """(params, Batch [A, m, T]) -> (loss summed over labelled tokens, their count), jitted."""
-    loss_sum = loss_sum_fn(setup)
+    loss_sum = loss_sum_fn(setup.model)
 
     def step(params, batch: Batch):
         def body(acc, mb):

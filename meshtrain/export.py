@@ -31,7 +31,7 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
     from meshtrain.hf.weights import hf_tensors, save_tensors
     from meshtrain.inference import saved_run, with_vocab_rows
     from meshtrain.mesh import build_mesh
-    from meshtrain.train_step import abstract_params, build_setup
+    from meshtrain.step.state import abstract_params, build_setup
 
     ckpt, step, saved = saved_run(source, step)
     values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}

@@ -21,7 +21,7 @@ from meshtrain.inference import logits
 from meshtrain.model.kv_cache import EMPTY, cache_shardings
 from meshtrain.model.transformer import Decoder
 from meshtrain.sharding import replicated
-from meshtrain.train_step import Setup
+from meshtrain.step.state import Setup
 
 PAD_SEGMENT = -2  # left padding: a segment no real token belongs to (EMPTY marks unwritten cache slots)
 

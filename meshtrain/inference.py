@@ -21,7 +21,7 @@ from meshtrain.config import Config, ConfigError, build_config, padded_vocab, va
 from meshtrain.hf.config import HF_PREFIX, hf_dir
 from meshtrain.mesh import build_mesh
 from meshtrain.precision import Precision
-from meshtrain.train_step import Setup, abstract_params, build_setup
+from meshtrain.step.state import Setup, abstract_params, build_setup
 
 
 @dataclass

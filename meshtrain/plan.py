@@ -76,17 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         return startup.fail(e)
 
     from meshtrain.config import resolve_mesh, with_mesh
-    from meshtrain.planning.memory import Layout
-    from meshtrain.planning.search import evaluate, search
+    from meshtrain.planning.search import as_given, search
 
     degrees, problems = resolve_mesh(cfg.mesh, args.devices)
     if problems:
         return startup.fail(ConfigError(problems))
     given_cfg = with_mesh(cfg, degrees)
-    attn = "reference" if cfg.model.attention == "reference" else "flash"
-    given = evaluate(given_cfg, Layout.of(given_cfg), rates, args.devices, attn)
+    # The plan is for the GPUs whose rates it uses: every `auto` is decided as a GPU run would decide it.
+    given, _ = as_given(given_cfg, rates, args.devices, backend="gpu")
     device_bytes = args.device_memory * GIB
-    cands, rejected = search(cfg, args.devices, device_bytes, rates, attention_impl=attn, top=args.top)
+    cands, rejected = search(cfg, args.devices, device_bytes, rates, backend="gpu", top=args.top)
 
     if args.json:
         print(json.dumps({"given": given.to_json(), "candidates": [c.to_json() for c in cands],

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import NoReturn
 
-from meshtrain.parallel.schedules import KINDS, Op, Schedule, ScheduleError, make_schedule, validate_args
+from meshtrain.step.pipeline.schedules import KINDS, Op, Schedule, ScheduleError, make_schedule, validate_args
 
 FLAGS = {"kind": "--schedule", "n_stages": "--pp", "n_microbatches": "--microbatches",
          "virtual_stages": "--virtual"}

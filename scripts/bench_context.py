@@ -49,7 +49,8 @@ from meshtrain.metrics import count_params, flops_per_token  # noqa: E402
 from meshtrain.parallel.context import context_attention  # noqa: E402
 from meshtrain.parallel.zigzag import sequence_order  # noqa: E402
 from meshtrain.sharding import make_rules  # noqa: E402
-from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step  # noqa: E402
+from meshtrain.step.state import build_setup, init_state, make_batches
+from meshtrain.step.train_step import make_train_step  # noqa: E402
 
 from benchtime import median_seconds, time_train_steps  # noqa: E402
 

@@ -72,7 +72,8 @@ def one_run(a) -> dict:
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
     from meshtrain.profile_table import format_table, profile_report
     from meshtrain.profile_trace import STEP_MARKER
-    from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
+    from meshtrain.step.state import build_setup, init_state, make_batches
+    from meshtrain.step.train_step import make_train_step
 
     path, overrides = SHAPES[a.shape]
     overrides = list(overrides)

@@ -116,7 +116,8 @@ def measure(name: str, overrides: list[str], a: argparse.Namespace) -> dict:
     from meshtrain.config import load_config, validate, with_mesh
     from meshtrain.mesh import build_mesh
     from meshtrain.metrics import active_params, count_params, flops_per_token, memory_in_use, peak_flops
-    from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
+    from meshtrain.step.state import build_setup, init_state, make_batches
+    from meshtrain.step.train_step import make_train_step
 
     cfg = load_config(None, overrides)
     degrees = validate(cfg, a.devices)

@@ -68,7 +68,7 @@ def main() -> None:
     def setup_for(extra: list[str], devs):
         cfg = load_config(None, common + extra)
         degrees = validate(cfg, len(devs))
-        from meshtrain.train_step import build_setup
+        from meshtrain.step.state import build_setup
         return build_setup(with_mesh(cfg, degrees), build_mesh(degrees, devs))
 
     one = {f"mesh.{ax}=1" for ax in MESH_AXES}
@@ -109,8 +109,9 @@ def time_single_device(setup, a):
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.parallel.pipeline_ops import chunk_ops
-    from meshtrain.train_step import make_batches, make_grad_fn
+    from meshtrain.step.pipeline.ops import chunk_ops
+    from meshtrain.step.accumulate import make_grad_fn
+    from meshtrain.step.state import make_batches
 
     c = setup.cfg
     tokens = jnp.zeros((a.micro_batch, c.data.seq_len), jnp.int32)
@@ -142,7 +143,8 @@ def time_step(setup, steps: int, need_update: bool):
     import optax
 
     from benchtime import time_train_steps
-    from meshtrain.train_step import init_state, make_batches, make_train_step
+    from meshtrain.step.state import init_state, make_batches
+    from meshtrain.step.train_step import make_train_step
 
     batches = make_batches(setup)
     run = time_train_steps(make_train_step(setup), init_state(setup), [batches.batch(i) for i in range(2)], steps,
@@ -159,26 +161,26 @@ def time_step(setup, steps: int, need_update: bool):
 
 
 def analyse(setup, kind, v, step_ms, update_ms, plain_ms, op_ms) -> dict:
-    from meshtrain.parallel.pipeline_plan import make_plan
-    from meshtrain.parallel.schedules import make_schedule
+    from meshtrain.step.pipeline.ticks import tick_tables
+    from meshtrain.step.pipeline.schedules import make_schedule
 
     p, m = setup.mesh.shape["pp"], setup.cfg.train.grad_accum
     s = make_schedule(kind, p, m, v)
-    plan = make_plan(s)
+    ticks = tick_tables(s)
     k = setup.cfg.model.n_layers // (p * v)
-    used = sorted({(int(kd), int(pos)) for kd, pos in zip(plan.kind.ravel(), plan.position.ravel()) if kd})
+    used = sorted({(int(kd), int(pos)) for kd, pos in zip(ticks.kind.ravel(), ticks.position.ravel()) if kd})
     ops = {key: op_ms(k, s.split_backward, key) for key in used}
 
     def cost(t, st):
-        kd = int(plan.kind[t, st])
-        return ops[(kd, int(plan.position[t, st]))] if kd else 0.0
+        kd = int(ticks.kind[t, st])
+        return ops[(kd, int(ticks.position[t, st]))] if kd else 0.0
 
-    busy = [sum(cost(t, st) for t in range(plan.n_ticks)) for st in range(p)]
-    lockstep_ms = sum(max(cost(t, st) for st in range(p)) for t in range(plan.n_ticks))
+    busy = [sum(cost(t, st) for t in range(ticks.n_ticks)) for st in range(p)]
+    lockstep_ms = sum(max(cost(t, st) for st in range(p)) for t in range(ticks.n_ticks))
     pipe_ms = step_ms - update_ms
     return dict(schedule=kind, pp=p, microbatches=m, virtual_stages=v, step_ms=step_ms, pipe_ms=pipe_ms,
-                update_ms=update_ms, busy_ms=busy, lockstep_ms=lockstep_ms, ticks=plan.n_ticks,
-                pool_slots=plan.n_slots, bubble_measured=p * pipe_ms / sum(busy) - 1,
+                update_ms=update_ms, busy_ms=busy, lockstep_ms=lockstep_ms, ticks=ticks.n_ticks,
+                pool_slots=ticks.n_slots, bubble_measured=p * pipe_ms / sum(busy) - 1,
                 bubble_lockstep=p * lockstep_ms / sum(busy) - 1, bubble_formula=s.bubble_ratio,
                 overhead_vs_plain=p * pipe_ms / (m * plain_ms) - 1,
                 op_ms={f"{'.FBW'[kd]}-{('first', 'mid', 'last')[pos]}": t for (kd, pos), t in ops.items()})

@@ -63,7 +63,8 @@ def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
     from meshtrain.config import build_config
     from meshtrain.metrics import memory_in_use
     from meshtrain.planning.startup import resolve
-    from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
+    from meshtrain.step.state import build_setup, init_state, make_batches
+    from meshtrain.step.train_step import make_train_step
 
     cfg, mesh = resolve(build_config({}, overrides), n_devices)
     setup = build_setup(cfg, mesh)
@@ -77,16 +78,14 @@ def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
 
 def predict(overrides: list[str], n_devices: int, rates_name: str) -> dict:
     from meshtrain.config import build_config, resolve_mesh, with_mesh
-    from meshtrain.planning.memory import Layout, estimate
-    from meshtrain.planning.timing import Rates, step_time
+    from meshtrain.planning.search import as_given
+    from meshtrain.planning.timing import Rates
 
     cfg = build_config({}, overrides)
     degrees, _ = resolve_mesh(cfg.mesh, n_devices)
-    cfg = with_mesh(cfg, degrees)
-    lay = Layout.of(cfg)
-    attn = "reference" if rates_name == "cpu" else "flash"
-    return dict(predicted_step_s=step_time(cfg, lay, Rates.preset(rates_name), n_devices)["total_s"],
-                predicted_mem_gib=estimate(cfg, lay, attn).total / 2**30)
+    given, _ = as_given(with_mesh(cfg, degrees), Rates.preset(rates_name), n_devices,
+                        backend="cpu" if rates_name == "cpu" else "gpu")
+    return dict(predicted_step_s=given.time["total_s"], predicted_mem_gib=given.memory.total / 2**30)
 
 
 def main() -> int:

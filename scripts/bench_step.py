@@ -15,7 +15,8 @@ from meshtrain import xla_flags
 from meshtrain.config import load_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
 from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
-from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
+from meshtrain.step.state import build_setup, init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ import numpy as np
 
 from meshtrain.config import MESH_AXES, Config, build_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
-from meshtrain.train_step import Setup, build_setup, init_state, make_batches, make_grad_fn, make_train_step
+from meshtrain.step.accumulate import make_grad_fn
+from meshtrain.step.state import Setup, build_setup, init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 # Small enough for 2 CPU cores, shaped so that every axis can split: 4 query heads and 2 kv heads
 # (so tp=4 replicates kv heads and tp=2 splits them), d_model 64 over fsdp=8, vocab 128 over tp=4.

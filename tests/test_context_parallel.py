@@ -17,7 +17,8 @@ import pytest
 
 from helpers import assert_grads_close, first_gradients, make_setup, single_device, tiny_config
 from meshtrain.config import ConfigError, validate
-from meshtrain.train_step import init_state, make_batches, make_train_step
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 STEPS = 3
 EOS = 71  # the synthetic corpus's most frequent token: a third of the rows hold a document boundary

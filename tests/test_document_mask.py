@@ -12,7 +12,7 @@ from meshtrain.config import ConfigError, validate
 from meshtrain.data import batch_fields
 from meshtrain.model.loss import IGNORE
 from meshtrain.parallel.zigzag import sequence_order
-from meshtrain.train_step import init_state
+from meshtrain.step.state import init_state
 
 EOS = 7
 

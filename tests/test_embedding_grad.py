@@ -17,7 +17,8 @@ from helpers import make_setup, single_device, tiny_config
 from meshtrain.mesh import build_mesh
 from meshtrain.model.embedding import EMBEDDING_GRADS, embedding_lookup, sorted_segment_sum
 from meshtrain.sharding import make_rules
-from meshtrain.train_step import init_state, make_batches, make_grad_fn
+from meshtrain.step.accumulate import make_grad_fn
+from meshtrain.step.state import init_state, make_batches
 
 V, D, B, T = 64, 16, 4, 64
 FREQUENT = np.array([0, V - 1, 7, 8])  # the ends of the table, and two neighbours

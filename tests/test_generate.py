@@ -9,7 +9,8 @@ from helpers import FIXTURES, make_setup, single_device, tiny_config
 from meshtrain import generate as generate_cli
 from meshtrain.generation import generate, sample
 from meshtrain.inference import forward_logits, load
-from meshtrain.train_step import init_state, make_batches, make_train_step
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 
 def test_cached_greedy_equals_the_full_forward_pass():

@@ -20,7 +20,7 @@ from meshtrain.config import PRESETS, ConfigError, build_config
 from meshtrain.export import export
 from meshtrain.hf.config import model_values, read_config_json
 from meshtrain.inference import forward_logits, load
-from meshtrain.train_step import state_from_params
+from meshtrain.step.state import state_from_params
 
 F32 = ["precision.compute=float32", "train.global_batch=8"]
 MESHES = {"fsdp2_tp4": ["mesh.fsdp=2", "mesh.tp=4"], "one_device": ["mesh.fsdp=1"]}
@@ -36,7 +36,7 @@ def load_on(name: str, mesh: str, *extra: str):
         cfg = build_config({}, [f"checkpoint.init_from=hf:{FIXTURES / name}", *F32, *MESHES[mesh], *extra])
         setup = make_setup(cfg, 1)
         from meshtrain.hf.weights import load_params
-        from meshtrain.train_step import abstract_params
+        from meshtrain.step.state import abstract_params
         params = load_params(FIXTURES / name, cfg.model, abstract_params(setup), setup.state_shardings.params)
         return inf.Loaded(setup.cfg, setup, params, None, FIXTURES / name)
     return load(f"hf:{FIXTURES / name}", [*F32, *MESHES[mesh], *extra])

@@ -16,7 +16,8 @@ from meshtrain import evaluate as evaluate_cli
 from meshtrain import run
 from meshtrain.config import build_config
 from meshtrain.hf.weights import load_params
-from meshtrain.train_step import abstract_params, loss_sum_fn, make_batches
+from meshtrain.step.loss import loss_sum_fn
+from meshtrain.step.state import abstract_params, make_batches
 
 HF = FIXTURES / "llama_sharded"
 RUN = [f"checkpoint.init_from=hf:{HF}", "train.steps=2", "train.global_batch=8", "data.seq_len=16",
@@ -46,7 +47,7 @@ def test_two_steps_from_hf_on_fsdp2_tp4(hf_run):
     cfg = build_config({}, [*RUN, "mesh.fsdp=1"])
     setup = make_setup(cfg, 1)
     params = load_params(HF, cfg.model, abstract_params(setup), setup.state_shardings.params)
-    loss, n, _ = jax.jit(loss_sum_fn(setup))(params, make_batches(setup).batch(0).microbatch(0))
+    loss, n, _ = jax.jit(loss_sum_fn(setup.model))(params, make_batches(setup).batch(0).microbatch(0))
     np.testing.assert_allclose(train[1]["loss"], float(loss / n), rtol=1e-5)
     assert train[2]["loss"] < train[1]["loss"]
     assert (run_dir / "checkpoints" / "2").is_dir()

@@ -12,7 +12,7 @@ from meshtrain import trainer
 from meshtrain.config import build_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
 from meshtrain.metrics import MetricsLog, count_params, flops_per_token, peak_flops
-from meshtrain.train_step import init_state
+from meshtrain.step.state import init_state
 
 
 def test_llama1b_parameter_count_and_flops_match_the_peers():

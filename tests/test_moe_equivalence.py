@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import flatten, make_setup, single_device, tiny_config
-from meshtrain.train_step import init_state, make_batches, make_grad_fn, make_train_step
+from meshtrain.step.accumulate import make_grad_fn
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 MOE = ["model.n_layers=4", "moe.n_experts=8", "moe.top_k=2", "moe.d_ff_expert=32", "moe.every=2", "moe.n_shared=1",
        "moe.aux_loss_coef=0.1", "moe.z_loss_coef=0.01", "train.grad_accum=2"]

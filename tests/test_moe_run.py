@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from helpers import make_setup, run_cli, single_device, tiny_config
-from meshtrain.train_step import init_state, make_batches, make_train_step
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 # Every layer MoE (a scan over MoE blocks), capacity mode with drops, experts over ep=2 beside fsdp and tp.
 MOE_CLI = ["moe.n_experts=8", "moe.top_k=2", "moe.d_ff_expert=32", "moe.capacity_factor=1.0", "mesh.dp=1",

@@ -17,10 +17,12 @@ import pytest
 
 from helpers import assert_grads_close, make_setup, single_device, tiny_config
 from meshtrain.checkpoint import Checkpointer, abstract_state
-from meshtrain.parallel.pipeline_plan import make_plan
-from meshtrain.parallel.schedules import make_schedule
-from meshtrain.trainer import restore_or_init
-from meshtrain.train_step import init_state, make_batches, make_grad_fn, make_train_step
+from meshtrain.step.pipeline.ticks import tick_tables
+from meshtrain.step.pipeline.schedules import make_schedule
+from meshtrain.resume import restore_or_init
+from meshtrain.step.accumulate import make_grad_fn
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 # 8 layers so that pp=4 with two chunks per stage still has a whole layer per chunk.
 SMALL = ["model.n_layers=8", "model.d_model=32", "model.d_ff=64", "model.vocab_size=64", "data.seq_len=8"]
@@ -150,9 +152,9 @@ def test_checkpoint_saved_at_pp1_resumes_at_pp2(pipelined_run, reference):
 def test_stash_grows_with_stages_not_microbatches():
     """The plan's buffer pool: 1F1B's is about p slots for any m, AFAB's is m."""
     for p in (2, 4, 8):
-        slots = {m: make_plan(make_schedule("1f1b", p, m)).n_slots for m in (p, 2 * p, 4 * p, 8 * p)}
+        slots = {m: tick_tables(make_schedule("1f1b", p, m)).n_slots for m in (p, 2 * p, 4 * p, 8 * p)}
         assert len(set(slots.values())) == 1 and p <= slots[p] <= p + 1, slots
-        assert make_plan(make_schedule("afab", p, 8 * p)).n_slots >= 8 * p
+        assert tick_tables(make_schedule("afab", p, 8 * p)).n_slots >= 8 * p
 
 
 def temp_bytes(overrides: list[str], n_devices: int) -> tuple[int, int]:

@@ -186,7 +186,7 @@ def test_param_count_matches_the_model():
         cfg = build_config({}, [f"model.preset={preset}", "mesh.fsdp=1"])
         assert expected is None or param_count(cfg) == expected
     cfg, mesh = resolve(layout_cfg("dp8"), 8)
-    from meshtrain.train_step import build_setup, init_state
+    from meshtrain.step.state import build_setup, init_state
     setup = build_setup(cfg, mesh)
     assert param_count(cfg) == count_params(jax.eval_shape(lambda: init_state(setup)).params)
 
@@ -199,7 +199,8 @@ def test_layer_residuals_match_what_autodiff_keeps(remat, compute):
     from jax._src.ad_checkpoint import saved_residuals
 
     from meshtrain.data import Batch
-    from meshtrain.train_step import build_setup, loss_sum_fn
+    from meshtrain.step.loss import loss_sum_fn
+    from meshtrain.step.state import build_setup
 
     # 3 sequences, 2 layers: a stacked residual [L, b, ...] cannot be mistaken for an unstacked one.
     cfg = build_config({}, SHAPE + ["train.global_batch=3", f"train.remat={remat}", f"precision.compute={compute}"])
@@ -207,7 +208,7 @@ def test_layer_residuals_match_what_autodiff_keeps(remat, compute):
     setup = build_setup(cfg, mesh)
     z = jnp.zeros((3, 128), jnp.int32)
     params = jax.eval_shape(lambda: setup.model.init(jax.random.key(0), z, z, z))
-    res = saved_residuals(lambda p: loss_sum_fn(setup)(p, Batch(z, z, z, z))[0], params["params"])
+    res = saved_residuals(lambda p: loss_sum_fn(setup.model)(p, Batch(z, z, z, z))[0], params["params"])
     L = cfg.model.n_layers
     # The stack's residuals are the scan's outputs with a leading [L] axis.
     stacked = sum(a.size * a.dtype.itemsize for a, src in res

@@ -24,7 +24,9 @@ from meshtrain.checkpoint import Checkpointer, abstract_state
 from meshtrain.config import ConfigError, validate
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.precision import Precision
-from meshtrain.train_step import init_state, loss_sum_fn, make_batches, make_train_step
+from meshtrain.step.loss import loss_sum_fn
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 FP8 = ("fp8", "fp8_delayed", "fp8_blockwise")
 
@@ -38,7 +40,7 @@ def test_head_gemm_returns_fp32_in_the_bf16_model():
     setup = make_setup(single_device(tiny_config("precision.compute=bfloat16", "model.vocab_size=200")), 1)
     state = init_state(setup)
     mb = make_batches(setup).batch(0).microbatch(0)
-    jaxpr = jax.make_jaxpr(loss_sum_fn(setup))(state.params, mb, state.model_state).jaxpr
+    jaxpr = jax.make_jaxpr(loss_sum_fn(setup.model))(state.params, mb, state.model_state).jaxpr
     vocab = setup.cfg.model.vocab_size
     head = [e for e in dots_of(jaxpr) if e.outvars[0].aval.shape[-1] == vocab]
     assert len(head) == 1
@@ -57,7 +59,7 @@ def test_head_gemm_backward_stays_in_the_compute_dtype():
     setup = make_setup(single_device(tiny_config("precision.compute=bfloat16", "model.vocab_size=200")), 1)
     state = init_state(setup)
     mb = make_batches(setup).batch(0).microbatch(0)
-    loss = loss_sum_fn(setup)
+    loss = loss_sum_fn(setup.model)
     grad = jax.grad(lambda p: loss(p, mb, state.model_state)[0])
     dots = dots_of(jax.make_jaxpr(grad)(state.params).jaxpr)
     vocab = setup.cfg.model.vocab_size

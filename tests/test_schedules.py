@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from meshtrain import schedule as cli
-from meshtrain.parallel.schedules import (KINDS, Schedule, ScheduleError, check_schedule, make_schedule,
+from meshtrain.step.pipeline.schedules import (KINDS, Schedule, ScheduleError, check_schedule, make_schedule,
                                           validate_args)
 
 CASES = [(kind, p, m, v) for kind in KINDS if kind != "dualpipe_v" for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
@@ -117,7 +117,7 @@ def test_clocks_agree_when_every_op_costs_one(schedules):
 
 
 def test_schedules_do_not_import_jax():
-    code = ("import sys, meshtrain.parallel.schedules, meshtrain.schedule; "
+    code = ("import sys, meshtrain.step.pipeline.schedules, meshtrain.schedule; "
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from helpers import make_setup, tiny_config
-from meshtrain.train_step import init_state
+from meshtrain.step.state import init_state
 
 GOLDEN = Path(__file__).parent / "golden" / "shardings_fsdp4_tp2_zero3.json"
 LARGE = 4096  # elements; norm scales are smaller and may stay replicated

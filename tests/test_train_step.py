@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from helpers import all_eqns, make_setup, run_cli, single_device, tiny_config, train_losses
-from meshtrain.train_step import init_state, make_batches, make_train_step
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +145,17 @@ def _attention_kernel_launches(jaxpr) -> int:
 def test_save_dots_attn_keeps_the_attention_forward(policy, fwd_calls):
     """Under save_dots the backward reruns the fused attention forward (2 calls per layer in the gradient);
     save_dots_attn keeps its outputs (1 call), and the gradients stay the same."""
-    from meshtrain.train_step import init_state, loss_sum_fn, make_batches
+    from meshtrain.step.loss import loss_sum_fn
+    from meshtrain.step.state import init_state, make_batches
     cfg = single_device(tiny_config("model.attention=pallas", "model.n_layers=1", f"train.remat={policy}"))
     setup = make_setup(cfg, 1)
     state, mb = init_state(setup), make_batches(setup).batch(0).microbatch(0)
-    loss = loss_sum_fn(setup)
+    loss = loss_sum_fn(setup.model)
     grad = jax.grad(lambda p: loss(p, mb, state.model_state)[0])
     assert _attention_kernel_launches(jax.make_jaxpr(grad)(state.params).jaxpr) == fwd_calls + 2
     if policy == "save_dots_attn":
         ref = make_setup(single_device(tiny_config("model.attention=pallas", "model.n_layers=1", "train.remat=save_dots")), 1)
-        want = jax.grad(lambda p: loss_sum_fn(ref)(p, mb, state.model_state)[0])(state.params)
+        want = jax.grad(lambda p: loss_sum_fn(ref.model)(p, mb, state.model_state)[0])(state.params)
         got = grad(state.params)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), got, want)
 
@@ -162,7 +164,8 @@ def test_save_dots_attn_keeps_the_attention_forward(policy, fwd_calls):
 @pytest.mark.parametrize("policy,fwd_calls", [("save_dots", 2), ("save_dots_attn", 1)])
 def test_save_dots_attn_keeps_the_mosaic_attention_forward(policy, fwd_calls):
     """The same on a Hopper GPU with the Mosaic kernels (bf16, head dim 64), whose forward is one mpmd_map."""
-    from meshtrain.train_step import init_state, loss_sum_fn, make_batches
+    from meshtrain.step.loss import loss_sum_fn
+    from meshtrain.step.state import init_state, make_batches
     from pallas_kernels.mosaic_common import is_hopper
     if not (jax.default_backend() == "gpu" and is_hopper()):
         pytest.skip("needs a Hopper GPU")
@@ -171,7 +174,7 @@ def test_save_dots_attn_keeps_the_mosaic_attention_forward(policy, fwd_calls):
                                     "precision.compute=bfloat16", f"train.remat={policy}"))
     setup = make_setup(cfg, 1)
     state, mb = init_state(setup), make_batches(setup).batch(0).microbatch(0)
-    loss = loss_sum_fn(setup)
+    loss = loss_sum_fn(setup.model)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: loss(p, mb, state.model_state)[0]))(state.params).jaxpr
     names = [e.params.get("name") for e in all_eqns(jaxpr) if e.primitive.name == "mpmd_map"]
     assert names.count("flash_attention_fwd_mosaic") == fwd_calls, names

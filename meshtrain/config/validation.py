@@ -269,7 +269,7 @@ def precision_problems(cfg: Config) -> list[str]:
 
 def pipeline_problems(cfg: Config, pp: int) -> list[str]:
     """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, layer split, kernels."""
-    from meshtrain.parallel.schedules import validate_args  # pure Python, no jax
+    from meshtrain.step.pipeline.schedules import validate_args  # pure Python, no jax
 
     m, pl = cfg.model, cfg.pipeline
     problems = validate_args(pl.schedule, pp, cfg.train.grad_accum, pl.virtual_stages,

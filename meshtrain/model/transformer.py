@@ -216,12 +216,17 @@ class Decoder(nn.Module):
         c, p, r = self.cfg, self.policy, self.rules
         self.embedding = param(self, "embedding", scaled_normal(c.init_std), (self.vocab_padded, c.d_model),
                                ("vocab", "embed"), p.param_dtype)
-        self.layers = block_stack(c, p, r, n_layers=c.n_layers, remat=self.remat, document_mask=self.document_mask,
-                                  decode=self.decode, moe=self.moe)
+        self.layers = self.stack(c.n_layers)
         self.final_norm = RMSNorm(c.norm_eps, p, r, c.norm)
         if not c.tie_embeddings:
             self.lm_head = param(self, "lm_head", scaled_normal(c.d_model ** -0.5), (c.d_model, self.vocab_padded),
                                  ("embed", "vocab"), p.param_dtype)
+
+    def stack(self, n_layers: int) -> nn.Module:
+        """The module running `n_layers` of this decoder's blocks, built as its own stack is (the one
+        builder): the whole stack in `setup`, a pipeline stage's chunk of it elsewhere."""
+        return block_stack(self.cfg, self.policy, self.rules, n_layers=n_layers, remat=self.remat,
+                           document_mask=self.document_mask, decode=self.decode, moe=self.moe)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
         # A gather from the whole compute-dtype table; the fp32 table goes in, so that its gradient

@@ -19,10 +19,12 @@ from pathlib import Path
 import jax
 
 from meshtrain.config import Config
+from meshtrain.resolve import Execution
 from meshtrain.metrics import flops_per_token
 from meshtrain.planning import hlo
 from meshtrain.planning.collectives import Collective, collectives
-from meshtrain.train_step import build_setup, init_state, make_train_step
+from meshtrain.step.state import Setup, build_setup, init_state
+from meshtrain.step.train_step import make_train_step
 
 MEMORY_KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "generated_code_bytes", "peak_bytes")
 
@@ -32,6 +34,7 @@ class StepReport:
     cfg: Config
     mesh: dict[str, int]
     platform: str
+    execution: Execution  # what the compiled step runs: the same decisions `run` makes
     params: int
     flops_per_step: float  # XLA, loop bodies counted per trip, summed over devices
     xla_flops_per_device_raw: float  # XLA's figure as given (each loop body once)
@@ -48,11 +51,16 @@ class StepReport:
                     {"op": c.op, "axes": c.axes, "count": c.count, "bytes": c.bytes} for c in self.collectives]}
 
 
-def compile_step(cfg: Config, mesh: jax.sharding.Mesh, keep_text: bool = False) -> StepReport:
-    """Lower and compile the train step of `cfg` (mesh degrees resolved) on `mesh`; run nothing."""
+def lower_step(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Setup, jax.stages.Lowered]:
+    """The train step exactly as `run` builds it, lowered against shapes alone (nothing allocated)."""
     setup = build_setup(cfg, mesh)
     state = jax.eval_shape(lambda: init_state(setup))
-    lowered = make_train_step(setup).lower(state, setup.abstract_batch())
+    return setup, make_train_step(setup).lower(state, setup.abstract_batch())
+
+
+def compile_step(cfg: Config, mesh: jax.sharding.Mesh, keep_text: bool = False) -> StepReport:
+    """Lower and compile the train step of `cfg` (mesh degrees resolved) on `mesh`; run nothing."""
+    setup, lowered = lower_step(cfg, mesh)
     # Nothing compiled here runs, and buffers, fusion and collectives are settled before code
     # generation, so the CPU compiler may skip LLVM's expensive optimizations (same figures, ~40% faster).
     fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -76,7 +84,8 @@ def compile_step(cfg: Config, mesh: jax.sharding.Mesh, keep_text: bool = False) 
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return StepReport(
-        cfg=cfg, mesh=dict(mesh.shape), platform=mesh.devices.flat[0].platform, params=int(n_params),
+        cfg=cfg, mesh=dict(mesh.shape), platform=mesh.devices.flat[0].platform, execution=setup.exe,
+        params=int(n_params),
         flops_per_step=per_device * n_dev, xla_flops_per_device_raw=raw,
         formula_flops_per_step=flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens,
         memory=memory, alias_bytes=alias, collectives=collectives(module, dict(mesh.shape)),

@@ -13,7 +13,8 @@ import os
 from dataclasses import replace
 
 from meshtrain.config import Config, ConfigError
-from meshtrain.planning.memory import Layout, estimate
+from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, estimate, run_estimate
+from meshtrain.resolve import Execution, resolve
 from meshtrain.xla_flags import JAX_DEFAULT_MEM_FRACTION
 
 # The allocator share the guard suggests when only the allocator's limit stands in the way: what the full
@@ -58,9 +59,8 @@ def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None
           memory_fraction: float = JAX_DEFAULT_MEM_FRACTION) -> None:
     """Raise ConfigError when the estimate exceeds the memory available (see the module docstring).
     `memory_fraction`: the share of a GPU that `device_bytes` is (jax's allocator takes 0.75 by default)."""
-    lay = Layout.of(cfg)
-    attn = "reference" if platform == "cpu" or cfg.model.attention == "reference" else "flash"
-    est = estimate(cfg, lay, attn)
+    exe, est = run_estimate_on(cfg, platform)
+    lay, attn = Layout.of(cfg), attention_kind(exe)
     gpu = platform != "cpu" and bool(device_bytes)
     if gpu:
         limit, per, where = device_bytes, 1, "device memory"
@@ -80,6 +80,13 @@ def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None
     scope = f"{n_devices} CPU devices together" if per > 1 else "per device"
     raise ConfigError(f"memory: the estimate is {need / GIB:.1f} GiB {scope} ({parts} GiB) but {where} is "
                       f"{limit / GIB:.1f} GiB; {hint} (or run.memory_guard=false to skip this check)")
+
+
+def run_estimate_on(cfg: Config, platform: str) -> tuple[Execution, Memory]:
+    """(what `cfg` will run on this platform, its memory estimate): the planner's "as given" row makes the
+    same estimate of the same Execution (planning.search.as_given)."""
+    exe = resolve(cfg, {a: getattr(cfg.mesh, a) for a in AXES}, platform)
+    return exe, run_estimate(cfg, exe)
 
 
 def device_limit() -> float | None:

@@ -27,9 +27,12 @@ gradient under `activations`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from meshtrain.config import Config, padded_vocab
+from meshtrain.resolve import Execution
+from meshtrain.step.pipeline.schedules import ScheduleError, make_schedule
 
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by config dtype name
@@ -46,18 +49,23 @@ class Layout:
     grad_accum: int = 1
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
+    virtual_stages: int = 1  # its chunks per stage
 
     @classmethod
     def of(cls, cfg: Config) -> "Layout":
+        """The layout `cfg` asks for, its pipeline schedule included."""
         return cls({a: getattr(cfg.mesh, a) for a in AXES}, cfg.train.zero_stage, cfg.train.remat,
                    cfg.train.global_batch // cfg.train.grad_accum, cfg.train.grad_accum,
-                   cfg.mesh.sequence_parallel)
+                   cfg.parallel.sequence_parallel, cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
 
     def overrides(self) -> list[str]:
         """The config overrides that select this layout."""
         return ([f"mesh.{a}={self.degrees[a]}" for a in AXES] +
                 [f"train.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
-                 f"train.grad_accum={self.grad_accum}", f"mesh.sequence_parallel={str(self.sequence_parallel).lower()}"])
+                 f"train.grad_accum={self.grad_accum}",
+                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
+                + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
+                   if self.degrees["pp"] > 1 else []))
 
     def label(self) -> str:
         mesh = " ".join(f"{a}{n}" for a, n in self.degrees.items() if n > 1) or "1 device"
@@ -185,9 +193,35 @@ def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat:
     return out
 
 
-def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", peak_in_flight: int | None = None
-             ) -> Memory:
-    """Per-device bytes of `cfg`'s model run as `lay` (the config's own layout fields are ignored)."""
+def run_estimate(cfg: Config, exe: Execution) -> Memory:
+    """The one estimate of a config as it will run: its own layout and schedule, the attention its
+    Execution picked. The memory guard and the planner's "as given" row both read this."""
+    return estimate(cfg, Layout.of(cfg), attention_kind(exe))
+
+
+def attention_kind(exe: Execution) -> str:
+    """The estimator's attention class: "flash" keeps no [T, S] scores, "reference" does."""
+    return "flash" if exe.fused_attention else "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> int:
+    try:
+        return max(make_schedule(kind, pp, microbatches, virtual_stages).peak_in_flight)
+    except ScheduleError:
+        return microbatches  # the schedule cannot run this; all forward, then all backward
+
+
+def in_flight(lay: Layout) -> int:
+    """Microbatches whose activations a stage holds at its peak (the schedule's peak_in_flight)."""
+    if lay.degrees["pp"] == 1:
+        return 1
+    return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)
+
+
+def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Memory:
+    """Per-device bytes of `cfg`'s model run as `lay` (the config's own layout fields are ignored); a
+    pipeline stage holds the activations of its schedule's peak in-flight microbatches."""
     g = lay.degrees
     tensors = param_tensors(cfg, g["tp"])
     p_res = _sharded_elems(tensors, lay, lay.zero_stage >= 3)
@@ -207,7 +241,7 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", peak_i
     kept = layer_activation_bytes(cfg, lay, attention_impl)
     full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
     layers_here = cfg.model.n_layers / g["pp"]
-    in_flight = peak_in_flight if peak_in_flight is not None else 1
+    held = in_flight(lay)
     m = cfg.model
     c = DTYPE_BYTES[cfg.precision.compute]
     n = lay.micro_batch / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
@@ -219,9 +253,9 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", peak_i
     # The layer being differentiated holds about one full set more: its cotangents (remat none) or its
     # recomputed activations (any other policy).
     working = full_set
-    activations = kept * layers_here * in_flight + working + head + batch_in
+    activations = kept * layers_here * held + working + head + batch_in
     return Memory(params, grads, optimizer, activations,
-                  detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=in_flight))
+                  detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=held))
 
 
 def playbook_state_bytes(n_params: float, zero_stage: int, n_d: int, *, param_bytes: float = 2,

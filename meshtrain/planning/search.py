@@ -8,14 +8,13 @@ grouped into families (which axes are used) so that the planner can say why a fa
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass, replace
 
 from meshtrain.config import Config, ConfigError, build_config, validate
-from meshtrain.parallel.schedules import ScheduleError, make_schedule
-from meshtrain.planning.memory import AXES, Layout, Memory, estimate
+from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, estimate, run_estimate
 from meshtrain.planning.timing import Rates, step_time
+from meshtrain.resolve import Execution, resolve
 
 REMATS = ("none", "save_attn", "save_dots", "full")
 UNAVAILABLE = "is not available in this version"  # validate()'s words for an axis still to come
@@ -45,21 +44,16 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
     return build_config(cfg.to_dict(), lay.overrides())
 
 
-@functools.lru_cache(maxsize=None)
-def _peak(kind: str, pp: int, microbatches: int) -> int:
-    try:
-        return max(make_schedule(kind, pp, microbatches).peak_in_flight)
-    except ScheduleError:
-        return microbatches  # the schedule cannot run this; all forward, then all backward
-
-
-def in_flight(lay: Layout) -> int:
-    """Microbatches whose activations a stage holds at its peak (schedules.py's peak_in_flight)."""
-    return 1 if lay.degrees["pp"] == 1 else _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum)
-
-
 def evaluate(cfg: Config, lay: Layout, rates: Rates, n_devices: int, attention_impl: str) -> Candidate:
-    return Candidate(lay, estimate(cfg, lay, attention_impl, in_flight(lay)), step_time(cfg, lay, rates, n_devices))
+    return Candidate(lay, estimate(cfg, lay, attention_impl), step_time(cfg, lay, rates, n_devices))
+
+
+def as_given(cfg: Config, rates: Rates, n_devices: int, backend: str) -> tuple[Candidate, Execution]:
+    """The config's own layout (mesh degrees resolved), estimated as it will run on `backend`: the same
+    estimate the memory guard makes (memory.run_estimate)."""
+    exe = resolve(cfg, {a: getattr(cfg.mesh, a) for a in AXES}, backend)
+    lay = Layout.of(cfg)
+    return Candidate(lay, run_estimate(cfg, exe), step_time(cfg, lay, rates, n_devices)), exe
 
 
 def n_experts(cfg: Config) -> int:
@@ -72,7 +66,7 @@ def family(lay: Layout) -> str:
     return "+".join(used) or "single device"
 
 
-def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, attention_impl: str = "reference",
+def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, backend: str = "gpu",
            top: int = 10) -> tuple[list[Candidate], dict[str, str]]:
     """(the fitting candidates, fastest first; {family: why it has no fitting candidate})."""
     best_by_family: dict[str, Candidate] = {}
@@ -93,8 +87,9 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, at
         for sp_flag in ((False, True) if degrees["tp"] > 1 else (False,)):
             base = Layout(degrees, sequence_parallel=sp_flag)
             fam = family(base)
+            base_cfg = layout_config(cfg, replace(base, micro_batch=gb))
             try:
-                validate(layout_config(cfg, replace(base, micro_batch=gb)), n_devices)
+                validate(base_cfg, n_devices)
                 available = True
             except ConfigError as e:
                 other = [p for p in e.problems if UNAVAILABLE not in p]
@@ -102,6 +97,11 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, at
                     refused.setdefault(fam, other[0])
                     continue
                 available = False  # estimated all the same, so the plan shows what the axis would give
+            try:  # what this layout would run (attention under pp or cp differs), as run would decide it
+                attention_impl = attention_kind(resolve(base_cfg, degrees, backend))
+            except ConfigError as e:
+                refused.setdefault(fam, e.problems[0])
+                continue
             for zero, remat, accum in itertools.product((0, 1, 2, 3) if degrees["fsdp"] > 1 else (0,), REMATS,
                                                         accums):
                 if (gb // accum) % (degrees["dp"] * degrees["fsdp"]):

@@ -44,7 +44,7 @@ all-reduce of those parameters over pp per step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +53,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.data import Batch
-from meshtrain.parallel.pipeline_ops import chunk_ops
-from meshtrain.parallel.pipeline_plan import IDLE, Plan, make_plan
-from meshtrain.parallel.schedules import make_schedule, virtual_stage
+from meshtrain.step.loss import Accumulated, GradFn
+from meshtrain.step.pipeline.ops import chunk_ops
+from meshtrain.step.pipeline.ticks import IDLE, TickTables, tick_tables
+from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
+from meshtrain.step.state import Setup
 
 
 # --------------------------------------------------------------------------- the stack's layout
@@ -83,8 +85,8 @@ def permute_blocks(tree: Any, order: np.ndarray) -> Any:
 # --------------------------------------------------------------------------- the executor
 
 
-def make_pipeline_grad_fn(setup) -> Callable[..., tuple[Any, jax.Array, jax.Array, Any, dict]]:
-    """(params, Batch [A, b, T], scale=1.0, model_state={}) -> (gradient of scale * loss sum, loss sum,
+def make_pipeline_grad_fn(setup: Setup) -> GradFn:
+    """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * loss sum, loss sum,
     token count, model_state, {"loss": loss sum}), summed over the A microbatches, computed by the
     pipeline schedule `setup.cfg.pipeline`. The model state passes through unchanged (validate refuses
     the fp8 recipe that would update it); the loss is the cross-entropy alone (validate refuses MoE,
@@ -92,21 +94,21 @@ def make_pipeline_grad_fn(setup) -> Callable[..., tuple[Any, jax.Array, jax.Arra
     cfg, mesh, model = setup.cfg, setup.mesh, setup.model
     p, v = mesh.shape["pp"], cfg.pipeline.virtual_stages
     schedule = make_schedule(cfg.pipeline.schedule, p, cfg.train.grad_accum, v)
-    plan = make_plan(schedule)
+    ticks = tick_tables(schedule)
     k = cfg.model.n_layers // (p * v)
     order = stage_order(schedule.kind, p, v)
     inverse = np.argsort(order)
-    branch_of, branches_for = _branch_table(plan)
+    branch_of, branches_for = _branch_table(ticks)
 
     def stage_program(layers, shared, batch: Batch, scale):
         # Inside, pp is a manual axis: the model's sharding annotations name the other axes of this
         # (abstract) mesh, or their transposes in the backward would not match the context.
         rules = dataclasses.replace(model.rules, mesh=jax.sharding.get_abstract_mesh())
-        ops = chunk_ops(cfg, model.clone(rules=rules), rules, k, schedule.split_backward)
+        ops = chunk_ops(model.clone(rules=rules), k, schedule.split_backward)
         stage = lax.axis_index("pp")
         layers_vk = jax.tree.map(lambda a: a.reshape(v, k, *a.shape[1:]), layers)
         b, t = batch.tokens.shape[1:]
-        pool = jnp.zeros((plan.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
+        pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. [v, k] replaces the pp-sharded layer axis.
@@ -161,7 +163,7 @@ def make_pipeline_grad_fn(setup) -> Callable[..., tuple[Any, jax.Array, jax.Arra
         zero = jnp.zeros((), jnp.float32)
         carry = (pool, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), zero, zero)
-        rows = {name: jnp.asarray(table) for name, table in plan.tables().items()}
+        rows = {name: jnp.asarray(table) for name, table in ticks.tables().items()}
         rows["branch"] = jnp.asarray(branch_of)
         (_, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, rows)
         g_layers = jax.tree.map(lambda a: a.reshape(v * k, *a.shape[2:]), g_layers)
@@ -176,18 +178,18 @@ def make_pipeline_grad_fn(setup) -> Callable[..., tuple[Any, jax.Array, jax.Arra
         g_layers, g_shared, loss, count = program(layers, shared, batch, jnp.asarray(scale, jnp.float32))
         grads = {**g_shared, "layers": permute_blocks(g_layers, inverse)}
         grads = jax.lax.with_sharding_constraint(grads, setup.grad_shardings)
-        return grads, loss, count, model_state or {}, {"loss": loss}
+        return Accumulated(grads, loss, count, model_state or {}, {"loss": loss})
 
     return grad_fn
 
 
-def _branch_table(plan: Plan) -> tuple[np.ndarray, list[tuple[int, int]]]:
+def _branch_table(ticks: TickTables) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """Number the (op kind, chunk position) pairs the plan uses, 1.. (0 is idle): the switch's
     branches are only those, so an unused op is never compiled."""
-    pairs = sorted({(int(kd), int(ps)) for kd, ps in zip(plan.kind.ravel(), plan.position.ravel()) if kd != IDLE})
+    pairs = sorted({(int(kd), int(ps)) for kd, ps in zip(ticks.kind.ravel(), ticks.position.ravel()) if kd != IDLE})
     index = {pair: i + 1 for i, pair in enumerate(pairs)}
-    table = np.zeros_like(plan.kind)
-    for (t, s), kd in np.ndenumerate(plan.kind):
+    table = np.zeros_like(ticks.kind)
+    for (t, s), kd in np.ndenumerate(ticks.kind):
         if kd != IDLE:
-            table[t, s] = index[(int(kd), int(plan.position[t, s]))]
+            table[t, s] = index[(int(kd), int(ticks.position[t, s]))]
     return table, pairs

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from meshtrain.parallel import schedule_builders as builders
+from meshtrain.step.pipeline import builders
 
 Kind = Literal["afab", "1f1b", "interleaved", "zb_h1", "dualpipe_v"]
 KINDS: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb_h1", "dualpipe_v")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshtrain.parallel.schedules import Schedule, stage_and_chunk
+from meshtrain.step.pipeline.schedules import Schedule, stage_and_chunk
 
 IDLE, F, B, W = 0, 1, 2, 3
 KIND_CODE = {"F": F, "B": B, "W": W}
@@ -31,7 +31,7 @@ FIRST, MID, LAST = 0, 1, 2  # where the op's chunk sits in the model: embeds / p
 
 
 @dataclass(frozen=True)
-class Plan:
+class TickTables:
     """[n_ticks, n_stages] int32 tables (see the module docstring) and the pool size."""
 
     kind: np.ndarray
@@ -58,7 +58,7 @@ class Plan:
                                               "from_below", "from_above", "from_self")}
 
 
-def make_plan(s: Schedule) -> Plan:
+def tick_tables(s: Schedule) -> TickTables:
     p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
     grid = s.grid()
     n_ticks = len(grid)
@@ -123,4 +123,4 @@ def make_plan(s: Schedule) -> Plan:
             raise AssertionError(f"{key} goes from stage {sender} to stage {receiver}, not a neighbour")
         assert table[t, receiver] == trash, f"two messages for stage {receiver} on one link at tick {t}"
         table[t, receiver] = slot[key]
-    return Plan(kind, position, microbatch, chunk, x_slot, dy_slot, from_below, from_above, from_self, n_slots)
+    return TickTables(kind, position, microbatch, chunk, x_slot, dy_slot, from_below, from_above, from_self, n_slots)

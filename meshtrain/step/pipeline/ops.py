@@ -1,6 +1,6 @@
 """The ops a pipeline stage runs on one chunk (k consecutive layers) for one microbatch.
 
-Pure per-device functions, no collective over pp: the executor (pipeline.py) calls them inside
+Pure per-device functions, no collective over pp: the executor (executor.py) calls them inside
 its manual region, the benchmark (scripts/bench_pipeline.py) times them alone. A chunk's
 position decides what else it runs: the first chunk embeds the tokens, the last computes final
 norm, head and loss; a middle one reads the previous chunk's output.
@@ -20,12 +20,10 @@ from typing import Any, Callable
 import flax.struct
 import jax
 
-from meshtrain.config import Config
 from meshtrain.data import Batch
-from meshtrain.model.loss import cross_entropy_sum
-from meshtrain.model.transformer import RESIDUAL, Decoder, block_stack, seq_info
-from meshtrain.parallel.pipeline_plan import B, F, FIRST, LAST, MID, W
-from meshtrain.sharding import ShardingRules
+from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
+from meshtrain.step.loss import cross_entropy, objective
+from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
 
 
 @flax.struct.dataclass
@@ -42,21 +40,21 @@ class OpOut:
 OpFn = Callable[[Any, Any, jax.Array, jax.Array, Batch, jax.Array], OpOut]  # (lp, shared, x, dy, mb, scale)
 
 
-def chunk_ops(cfg: Config, decoder: Decoder, rules: ShardingRules, n_layers: int,
-              split_backward: bool) -> dict[tuple[int, int], OpFn]:
-    """(kind, position) -> op, for chunks of `n_layers` layers. `decoder` and `rules` must be bound
-    to the mesh the ops run on (inside the executor: the abstract mesh with pp manual)."""
-    policy = decoder.policy
-    stack = block_stack(cfg.model, policy, rules, n_layers=n_layers, remat=cfg.train.remat,
-                        document_mask=cfg.data.document_mask)
+def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool) -> dict[tuple[int, int], OpFn]:
+    """(kind, position) -> op, for chunks of `n_layers` layers. `decoder` must be bound to the mesh the
+    ops run on (inside the executor: the abstract mesh with pp manual); its stack builder, head and the
+    step's loss assembly are the ones the whole model uses."""
+    rules = decoder.rules
+    stack = decoder.stack(n_layers)
 
     def run(lp, x_btd, mb: Batch):
-        return stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, cfg.model, rules))[0]
+        return stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules))[0]
 
     def loss_sum(shared, y_btd, mb: Batch):
         h_btd, head_dv = decoder.apply({"params": shared}, y_btd, method=Decoder.head)
-        return cross_entropy_sum(h_btd, head_dv, mb.targets, policy=policy, rules=rules,
-                                 vocab_size=cfg.model.vocab_size, impl=cfg.model.loss)
+        ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
+        # No sown collections: validate refuses MoE under pp until the stages carry their aux losses.
+        return objective(ce, n, {})[0], n
 
     # The chunk as a function of (its layers, the shared params, its input), by position.
     def first(lp, sh, x, mb, scale):

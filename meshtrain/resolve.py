@@ -1,0 +1,161 @@
+"""Every `auto` of a config, decided once: `Execution = resolve(cfg, degrees, backend)`.
+
+The config says what the user wants ("auto" where they leave it to meshtrain); the Execution says what
+will run, on this mesh and backend. It is frozen and printable (the start-up banner prints it), and
+everything that needs a decision reads it instead of deciding again: the model and its kernels, the
+step, the memory guard, the planner and the inspector. Nothing below this module reads the backend.
+
+    attention        reference | cudnn | pallas      auto: cudnn on a GPU in bf16/fp16, pallas there when
+                                                     documents are masked or the sequence is split over
+                                                     cp/sp, reference elsewhere and inside pipeline stages
+    attention_kernel mosaic | triton | ""            the Pallas attention's kernels (auto: Mosaic where it
+                                                     can run, Triton elsewhere); "" unless attention=pallas
+    interpret        the Pallas kernels run in interpret mode (CPU: tests)
+    moe_exchange     ragged | padded | ""            dropless all-to-all (auto: ragged off the CPU)
+    moe_gemm         ragged_dot | pallas | ""        expert GEMMs (auto: the Pallas kernel on GPUs)
+    moe_fp32         XLA:CPU cannot compile the bf16 expert region on several devices: CPUs run it in fp32
+    tp_ring          tensor parallelism's matmuls run as shard_map rings (parallel.tp_overlap)
+    pipeline         the schedule the pipeline executor runs (None without mesh.pp > 1)
+    vocab_padded     the vocabulary rounded up so that tp divides it
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from meshtrain.config import Config, ConfigError, padded_vocab
+
+FUSED_DTYPES = (jnp.bfloat16, jnp.float16)  # the fused attention implementations' compute dtypes
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """The schedule a pipeline runs: `schedule` over `stages` stages of `virtual_stages` chunks each."""
+
+    schedule: str
+    stages: int
+    virtual_stages: int
+    microbatches: int
+
+    def describe(self) -> str:
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.schedule}{v} over {self.stages} stages, {self.microbatches} microbatches"
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What runs (module docstring); equal for equal (config, degrees, backend)."""
+
+    backend: str
+    attention: str
+    attention_kernel: str
+    interpret: bool
+    norm: str
+    loss: str
+    cp_impl: str
+    cp_layout: str
+    sequence_sharded: bool
+    tp_ring: bool
+    moe_exchange: str
+    moe_gemm: str
+    moe_fp32: bool
+    pipeline: PipelineRun | None
+    vocab_padded: int
+
+    @property
+    def fused_attention(self) -> bool:
+        """Attention that keeps no [T, S] scores (what the memory estimate needs to know)."""
+        return self.attention != "reference"
+
+    def describe(self) -> str:
+        """One line for the start-up banner."""
+        attn = self.attention + (f"/{self.attention_kernel}" if self.attention_kernel else "")
+        parts = [f"attention {attn}"]
+        if self.sequence_sharded:
+            parts.append(f"cp {self.cp_impl}/{self.cp_layout}")
+        if self.norm != "reference" or self.loss != "reference":
+            parts.append(f"norm {self.norm}, loss {self.loss}")
+        if self.tp_ring:
+            parts.append("tp collective-matmul rings")
+        if self.moe_exchange or self.moe_gemm:
+            parts.append(f"experts {self.moe_exchange or 'local'}/{self.moe_gemm}" + (" fp32" if self.moe_fp32 else ""))
+        if self.pipeline:
+            parts.append(f"pipeline {self.pipeline.describe()}")
+        if self.interpret:
+            parts.append("kernels interpreted")
+        return ", ".join(parts)
+
+
+def resolve(cfg: Config, degrees: Mapping[str, int], backend: str) -> Execution:
+    """Decide every `auto` of `cfg` for a mesh of these degrees on this backend ("cpu", "gpu", "tpu").
+    Raises ConfigError where an explicit choice cannot run here."""
+    m, moe = cfg.model, cfg.moe
+    interpret = backend == "cpu"
+    sequence_sharded = degrees["cp"] * degrees["sp"] > 1
+    pipelined = degrees["pp"] > 1
+    compute = jnp.dtype(cfg.precision.compute)
+    attention = _attention(m.attention, backend, compute, cfg.data.document_mask, sequence_sharded, pipelined)
+    kernel = _attention_kernel(m.attention_kernel, m.kv_dim, compute, interpret) if attention == "pallas" else ""
+    experts = moe.n_experts > 0
+    tp_ring = (cfg.parallel.tp_overlap == "collective_matmul" and degrees["tp"] > 1)
+    pipeline = (PipelineRun(cfg.pipeline.schedule, degrees["pp"], cfg.pipeline.virtual_stages, cfg.train.grad_accum)
+                if pipelined else None)
+    return Execution(
+        backend=backend, attention=attention, attention_kernel=kernel, interpret=interpret, norm=m.norm, loss=m.loss,
+        cp_impl=cfg.parallel.cp_impl, cp_layout=cfg.parallel.cp_layout, sequence_sharded=sequence_sharded,
+        tp_ring=tp_ring, moe_exchange=_moe_exchange(moe.dispatch, backend) if experts else "",
+        moe_gemm=_moe_gemm(moe.grouped_matmul, backend) if experts else "",
+        moe_fp32=experts and backend == "cpu" and compute != jnp.float32,
+        pipeline=pipeline, vocab_padded=padded_vocab(m, degrees["tp"]))
+
+
+def resolve_for_mesh(cfg: Config, mesh) -> Execution:
+    """resolve() for a built mesh: the backend is its devices' platform."""
+    return resolve(cfg, dict(mesh.shape), mesh.devices.flat[0].platform)
+
+
+def current_backend() -> str:
+    """The backend jax runs on here, for commands that plan before any mesh exists (the one reader)."""
+    import jax
+
+    return jax.default_backend()
+
+
+def _attention(impl: str, backend: str, compute: jnp.dtype, document_mask: bool, sequence_sharded: bool,
+               pipelined: bool) -> str:
+    if impl != "auto":
+        return impl
+    if pipelined:  # neither fused implementation runs inside a pipeline stage yet (config.pipeline_problems)
+        return "reference"
+    if backend != "gpu" or compute not in FUSED_DTYPES:
+        return "reference"
+    # cuDNN measured fastest (docs/PERFORMANCE.md) but masks by index only: no segment ids, no split sequence.
+    return "pallas" if document_mask or sequence_sharded else "cudnn"
+
+
+def _attention_kernel(kernel: str, head_dim: int, compute: jnp.dtype, interpret: bool) -> str:
+    if kernel == "triton":
+        return "triton"
+    why = pk.mosaic_unavailable(head_dim, compute, interpret=interpret)
+    if kernel == "mosaic" and why:
+        raise ConfigError(f"model.attention_kernel=mosaic: {why}; use model.attention_kernel=auto (Mosaic where it "
+                          f"can run, Triton elsewhere) or triton")
+    return "triton" if why else "mosaic"
+
+
+def _moe_exchange(dispatch: str, backend: str) -> str:
+    if dispatch == "auto":
+        return "padded" if backend == "cpu" else "ragged"
+    if dispatch == "ragged" and backend == "cpu":
+        raise ConfigError("moe.dispatch=ragged: the CPU backend has no ragged all-to-all; use moe.dispatch=padded "
+                          "(or auto)")
+    return dispatch
+
+
+def _moe_gemm(gemm: str, backend: str) -> str:
+    if gemm == "auto":  # off a GPU the kernel would run in interpret mode, which is for tests
+        return "pallas" if backend == "gpu" else "ragged_dot"
+    return gemm

@@ -1,0 +1,72 @@
+"""Resuming a run: restore the latest checkpoint or initialize, and refuse a checkpoint of another model.
+
+A checkpoint's parameter tree is decided by the model's shape fields; everything else (kernels, the mesh,
+the norms' eps ...) may change between the run that saved it and the run that resumes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from meshtrain.checkpoint import Checkpointer, abstract_state
+from meshtrain.config import Config, ConfigError, MoEConfig, padded_vocab
+from meshtrain.hf.config import hf_dir
+from meshtrain.step.state import Setup, TrainState, abstract_params, init_state, state_from_params
+
+
+def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState, int | None]:
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is None:
+        if (directory := hf_dir(setup.cfg.checkpoint.init_from)) is not None:
+            from meshtrain.hf.weights import load_params
+            params = load_params(directory, setup.cfg.model, abstract_params(setup), setup.state_shardings.params)
+            return state_from_params(setup, params), None
+        return init_state(setup), None
+    check_compatible(setup.cfg, ckpt.saved_config(latest), ckpt.directory, latest)
+    shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
+    return ckpt.restore(latest, abstract_state(setup.state_shardings, shapes)), latest
+
+
+# Model fields that decide the parameter tree; the rest (kernels, norms' eps, ...) may change on resume.
+SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
+                "tie_embeddings", "scan_layers")
+MOE_SHAPE_FIELDS = ("n_experts", "d_ff_expert", "n_shared", "every")
+
+
+def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
+    """Refuse, with the differing fields named, to restore a checkpoint of another model shape."""
+    problems = [f"model.{k}={getattr(cfg.model, k)!r} but the checkpoint has {saved['model'][k]!r}"
+                for k in SHAPE_FIELDS if saved["model"].get(k) != getattr(cfg.model, k)]
+    saved_moe = saved.get("moe", {})  # checkpoints older than the moe section are dense
+    problems += [f"moe.{k}={getattr(cfg.moe, k)!r} but the checkpoint has {saved_moe.get(k, getattr(MoEConfig, k))!r}"
+                 for k in MOE_SHAPE_FIELDS if saved_moe.get(k, getattr(MoEConfig, k)) != getattr(cfg.moe, k)]
+    saved_vocab = padded_vocab(cfg.model, saved["mesh"]["tp"])  # vocab_size itself matched above
+    if not problems and saved_vocab != padded_vocab(cfg.model, cfg.mesh.tp):
+        problems.append(f"mesh.tp={cfg.mesh.tp} pads model.vocab_size={cfg.model.vocab_size} differently from the "
+                        f"checkpoint's mesh.tp={saved['mesh']['tp']} ({saved_vocab} rows); use a tp that pads alike")
+    # fp8_delayed keeps amax histories in the state: their presence and length are part of its shape.
+    fp8_state = lambda pc: (pc.get("matmul") == "fp8_delayed") and (pc["fp8_amax_history"], pc["fp8_exclude"])  # noqa: E731
+    if fp8_state(saved["precision"]) != fp8_state(dataclasses.asdict(cfg.precision)):
+        problems.append(f"precision.matmul={cfg.precision.matmul!r} (fp8_amax_history={cfg.precision.fp8_amax_history}, "
+                        f"fp8_exclude={cfg.precision.fp8_exclude!r}) keeps other fp8 state than the checkpoint's "
+                        f"precision.matmul={saved['precision'].get('matmul', 'bf16')!r}")
+    if problems:
+        raise ConfigError([f"checkpoint.dir={str(directory)!r} step {step} is another model: {p}; resume with the "
+                           f"same model settings or point checkpoint.dir elsewhere" for p in problems])
+
+
+def keep_saved_schedule(setup: Setup, saved: dict) -> Setup:
+    """On resume, the learning-rate schedule stays the checkpoint's unless train.schedule_steps is given:
+    a larger train.steps alone would otherwise stretch the cosine and make the rate jump."""
+    t = setup.cfg.train
+    saved_len = saved["train"].get("schedule_steps") or saved["train"]["steps"]
+    if t.schedule_steps or saved_len == t.total_schedule_steps:
+        return setup
+    if jax.process_index() == 0:
+        past = f" (from step {saved_len} on it stays at its final value)" if t.steps > saved_len else ""
+        print(f"meshtrain: train.steps={t.steps} but the checkpoint was trained on a {saved_len}-step learning-rate "
+              f"schedule: keeping that schedule{past}; set train.schedule_steps={t.steps} to stretch it instead",
+              flush=True)
+    cfg = dataclasses.replace(setup.cfg, train=dataclasses.replace(t, schedule_steps=saved_len))
+    return dataclasses.replace(setup, cfg=cfg)

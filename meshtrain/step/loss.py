@@ -1,0 +1,76 @@
+"""The loss of one microbatch, assembled in one place for every strategy (the scan and the pipeline).
+
+    objective = cross-entropy summed over labelled tokens + n · Σ auxiliary losses
+
+Auxiliary losses (MoE load balance, router z-loss) come from the model's `losses` collection, the one
+loss channel: each is a per-token mean, so it enters the microbatch's sum weighted by its token count
+n. The `metrics` collection is logged beside the loss, token-weighted the same way, so that the step's
+division by the total token count turns every logged sum into a per-token mean.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.data import Batch
+from meshtrain.model.loss import cross_entropy_sum
+from meshtrain.model.moe import LOSSES, METRICS
+from meshtrain.model.transformer import Decoder
+
+# (params, one microbatch [B, T] each field, model_state) -> (objective sum, token count, sums to log)
+LossSum = Callable[[Any, Batch, Any], tuple[jax.Array, jax.Array, dict]]
+
+
+class Accumulated(NamedTuple):
+    """What a step strategy (step/accumulate.py) returns for one step's batch: sums over its microbatches."""
+
+    grads: Any  # params-shaped: the gradient of scale · objective
+    loss: jax.Array  # the objective (auxiliary losses included) summed over labelled tokens
+    tokens: jax.Array  # the labelled token count
+    model_state: Any  # the next model state (fp8 amax histories), threaded through the microbatches
+    logged: dict  # token-weighted sums to log: `loss` the cross-entropy, the model's sown metrics
+
+
+# (params, Batch [A, m, T], scale=1.0, model_state={}) -> Accumulated
+GradFn = Callable[..., Accumulated]
+
+
+def cross_entropy(model: Decoder, h_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy summed over labelled tokens, their count) of the final hidden states under the head."""
+    return cross_entropy_sum(h_btd, head_dv, targets_bt, policy=model.policy, rules=model.rules,
+                             vocab_size=model.cfg.vocab_size, impl=model.cfg.loss)
+
+
+def objective(ce: jax.Array, n: jax.Array, sown: dict) -> tuple[jax.Array, dict]:
+    """(the objective summed over the microbatch's tokens, token-weighted sums to log) from its
+    cross-entropy sum, token count and the collections the model sowed."""
+    aux = sum((jnp.sum(x) for x in jax.tree.leaves(sown.get(LOSSES, {}))), jnp.zeros((), jnp.float32))
+    logged = {"loss": ce} | {k: v * n for k, v in sown_means(sown.get(METRICS, {})).items()}
+    return ce + aux * n, logged
+
+
+def sown_means(tree: Any) -> dict[str, jax.Array]:
+    """A sown collection -> {name: mean over every layer that sowed it}."""
+    groups: dict[str, list[jax.Array]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+        groups.setdefault(name, []).append(jnp.ravel(leaf))
+    return {k: jnp.mean(jnp.concatenate(v)) for k, v in groups.items()}
+
+
+def loss_sum_fn(model: Decoder) -> LossSum:
+    """The whole model's loss of one microbatch: (params, mb, model_state) -> (objective sum, labelled
+    token count, token-weighted sums to log: `loss` the cross-entropy, and the model's sown metrics)."""
+
+    def loss_sum(params, mb: Batch, model_state=None):
+        variables = {"params": params, **(model_state or {})}
+        (h_btd, head_dv), sown = model.apply(variables, mb.tokens, mb.positions, mb.segment_ids,
+                                             mutable=(LOSSES, METRICS))
+        ce, n = cross_entropy(model, h_btd, head_dv, mb.targets)
+        total, logged = objective(ce, n, sown)
+        return total, n, logged
+
+    return loss_sum

@@ -1,0 +1,154 @@
+"""The training state and what the step is built from: `Setup`, derived once from the config and the mesh.
+
+`build_setup` makes the model, the optimizer and every sharding (parameters, optimizer state, gradients,
+batch) from shapes alone (`jax.eval_shape`): nothing is allocated until `init_state`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from meshtrain.config import Config, fp8_exclude_patterns, padded_vocab
+from meshtrain.data import Batch, Batches
+from meshtrain.model.moe import LOSSES, METRICS
+from meshtrain.model.transformer import Decoder, init_variables
+from meshtrain.precision import Precision
+from meshtrain.step.optim import make_optimizer
+from meshtrain.sharding import ZeroLayout, make_rules, replicated
+
+BATCH = (None, "batch", None)  # every Batch field [A microbatches, B/A sequences, T]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32: optimizer steps taken, also the data position (batch = f(seed, step))
+    params: Any
+    # Model variables that are not trained by the optimizer, by collection: {"fp8_meta": amax
+    # histories} under precision.matmul=fp8_delayed, else {}. Sharded like the params (same logical
+    # names, stacked on `layers`), checkpointed with them; the backward pass returns their next value.
+    model_state: Any
+    opt_state: Any
+    nonfinite_run: jax.Array  # int32: consecutive skipped steps (reset by a finite one)
+    nonfinite_total: jax.Array  # int32: all skipped steps
+    loss_scale: jax.Array  # fp32: the loss is multiplied by it before differentiation (1 unless fp16)
+    scale_good_steps: jax.Array  # int32: finite steps since the loss scale last changed
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything the step needs that is derived once from the config and the mesh."""
+
+    cfg: Config
+    mesh: Mesh
+    layout: ZeroLayout
+    model: Decoder
+    optimizer: optax.GradientTransformation
+    state_shardings: TrainState
+    grad_shardings: Any  # params-shaped: where gradients live (ZeRO-2/3: sharded over fsdp)
+    batch_sharding: NamedSharding
+
+    @property
+    def micro_batch(self) -> int:
+        return self.cfg.train.global_batch // self.cfg.train.grad_accum
+
+    @property
+    def batch_shape(self) -> tuple[int, int, int]:
+        """Shape of every Batch field: [A microbatches, B/A sequences, T]."""
+        return self.cfg.train.grad_accum, self.micro_batch, self.cfg.data.seq_len
+
+    def abstract_batch(self) -> Batch:
+        """The step's batch input as sharded shapes (for AOT lowering without data)."""
+        spec = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return Batch(tokens=spec, targets=spec, positions=spec, segment_ids=spec)
+
+
+def build_setup(cfg: Config, mesh: Mesh) -> Setup:
+    pc = cfg.precision
+    policy = Precision.from_names(pc.compute, pc.params, pc.matmul, fp8_exclude_patterns(pc), pc.fp8_amax_history)
+    layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
+                        n_kv_heads=cfg.model.n_kv_heads)
+    model_cfg = cfg.model
+    if mesh.shape["pp"] > 1 and model_cfg.attention == "auto":  # the fused kernels don't compile in a stage yet
+        model_cfg = dataclasses.replace(model_cfg, attention="reference")
+    model = Decoder(model_cfg, policy, layout.params, padded_vocab(cfg.model, mesh.shape["tp"]), cfg.train.remat,
+                    document_mask=cfg.data.document_mask, moe=cfg.moe if cfg.moe.enabled else None)
+    optimizer = make_optimizer(cfg.train)
+
+    tokens_spec = jax.ShapeDtypeStruct((cfg.train.global_batch // cfg.train.grad_accum, cfg.data.seq_len), jnp.int32)
+    # Shapes and logical names only: nothing is computed or allocated here.
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens_spec, tokens_spec, tokens_spec)
+    boxed = variables["params"]
+    logical = nn.get_partition_spec(boxed)
+    model_state_sh = layout.params.tree_shardings(nn.get_partition_spec(_model_state(variables)))
+    param_sh = layout.params.tree_shardings(logical)
+    opt_param_sh = layout.opt_state.tree_shardings(logical)
+    abstract_opt = jax.eval_shape(optimizer.init, nn.unbox(boxed))
+    # Optimizer moments mirror the params (ZeRO-1 layout); scalars such as the step count replicate.
+    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_opt, opt_param_sh,
+                                   transform_non_params=lambda _: replicated(mesh))
+    rep = replicated(mesh)
+    state_sh = TrainState(step=rep, params=param_sh, model_state=model_state_sh, opt_state=opt_sh, nonfinite_run=rep,
+                          nonfinite_total=rep, loss_scale=rep, scale_good_steps=rep)
+    return Setup(cfg, mesh, layout, model, optimizer, state_sh, layout.grads.tree_shardings(logical),
+                 layout.params.sharding(BATCH))
+
+
+def _model_state(variables: dict) -> dict:
+    """Every variable collection but the params (model_state of TrainState)."""
+    return {k: v for k, v in variables.items() if k not in ("params", LOSSES, METRICS)}  # sown: per apply
+
+
+def make_batches(setup: Setup, split: str = "train") -> Batches:
+    """The run's batches (or its eval batches: split="eval"), laid out and sharded as the step takes them."""
+    c = setup.cfg
+    return Batches(c.data, vocab_size=c.model.vocab_size, global_batch=c.train.global_batch,
+                   grad_accum=c.train.grad_accum, seed=c.train.seed, sharding=setup.batch_sharding,
+                   cp=setup.mesh.shape["cp"], cp_layout=c.model.cp_layout, split=split)
+
+
+def init_state(setup: Setup) -> TrainState:
+    """Parameters drawn from `train.seed`, created already sharded (identical on any mesh, scanned or not)."""
+
+    def init(key):
+        tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
+        variables = init_variables(setup.model, key, tokens)
+        return fresh_state(setup, variables["params"], _model_state(variables))
+
+    return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
+
+
+def fresh_state(setup: Setup, params: Any, model_state: Any) -> TrainState:
+    """Step 0 around given parameters and model state: optimizer state initialized, counters zero."""
+    zero = jnp.zeros((), jnp.int32)
+    scale = setup.cfg.precision.loss_scale_init if setup.cfg.precision.compute == "float16" else 1.0
+    return TrainState(step=zero, params=params, model_state=model_state, opt_state=setup.optimizer.init(params),
+                      nonfinite_run=zero, nonfinite_total=zero, loss_scale=jnp.asarray(scale, jnp.float32), scale_good_steps=zero)
+
+
+def state_from_params(setup: Setup, params: Any) -> TrainState:
+    """A fresh state around loaded parameters (e.g. a Hugging Face model), already sharded."""
+    def state(p):
+        # The model state (fp8 amax histories) starts as a fresh run's; the unused parameter init is
+        # dead code that the compiler drops.
+        tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
+        variables = init_variables(setup.model, jax.random.key(0), tokens)
+        return fresh_state(setup, p, _model_state(variables))
+
+    return jax.jit(state, out_shardings=setup.state_shardings)(params)
+
+
+def abstract_params(setup: Setup) -> Any:
+    """The parameters as ShapeDtypeStructs carrying their shardings (nothing is allocated)."""
+    shapes = jax.eval_shape(lambda: init_state(setup)).params
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        setup.state_shardings.params)
+
+

@@ -1,0 +1,97 @@
+"""Every `auto` is decided once (meshtrain/resolve.py), and every reader sees that one decision.
+
+The model (and the pipeline stages built from it), the memory guard, the planner and the inspector each
+reach an Execution through their own code path; for a pipeline, a context-parallel and an MoE config
+they must all hold the same one. The guard and the planner must then make the same memory estimate,
+whatever the pipeline schedule.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import tiny_config
+from meshtrain.config import ConfigError, build_config, validate, with_mesh
+from meshtrain.mesh import build_mesh
+from meshtrain.planning import guard
+from meshtrain.planning.aot import lower_step
+from meshtrain.planning.memory import in_flight, Layout
+from meshtrain.planning.search import as_given
+from meshtrain.planning.timing import Rates
+from meshtrain.resolve import resolve, resolve_for_mesh
+from meshtrain.step.pipeline.schedules import KINDS, make_schedule
+from meshtrain.step.state import build_setup
+
+import jax
+
+CASES = {
+    "pipeline": ["mesh.pp=2", "mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "train.grad_accum=4",
+                 "pipeline.schedule=zb_h1"],
+    "context": ["mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "data.document_mask=true"],
+    "moe": ["model.preset=tiny_moe", "model.d_model=64", "model.d_ff=128", "mesh.ep=2", "mesh.fsdp=2", "mesh.tp=2"],
+}
+
+
+def resolved(*overrides: str, n_devices: int = 8):
+    cfg = tiny_config(*overrides)
+    degrees = validate(cfg, n_devices)
+    return with_mesh(cfg, degrees), build_mesh(degrees, jax.devices()[:n_devices])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_model_guard_planner_and_inspector_see_one_execution(case):
+    cfg, mesh = resolved(*CASES[case])
+    exe = resolve_for_mesh(cfg, mesh)
+    setup, _ = lower_step(cfg, mesh)  # the inspector's path, up to compiling (the pipeline's stages traced)
+    assert setup.exe == exe and setup.model.exe == exe
+    assert build_setup(cfg, mesh).model.exe == exe  # the run's path
+    assert guard.run_estimate_on(cfg, "cpu")[0] == exe
+    assert as_given(cfg, Rates.preset("cpu"), 8, backend="cpu")[1] == exe
+    # and each case took the branch it is here for
+    assert {"pipeline": exe.pipeline is not None, "context": exe.sequence_sharded,
+            "moe": exe.moe_exchange == "padded"}[case]
+
+
+def test_the_decisions_on_a_gpu():
+    """What `auto` becomes on a GPU, decided without one (nothing reads the backend but resolve)."""
+    def on_gpu(*overrides, **degrees):
+        cfg = tiny_config("precision.compute=bfloat16", *overrides)
+        return resolve(cfg, {a: degrees.get(a, 1) for a in ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")}, "gpu")
+
+    assert on_gpu().attention == "cudnn" and not on_gpu().interpret
+    assert on_gpu("data.document_mask=true").attention == "pallas"
+    assert on_gpu(cp=2).attention == "pallas"
+    assert on_gpu(pp=2).attention == "reference"  # the fused kernels do not run inside a stage yet
+    assert on_gpu("precision.compute=float32").attention == "reference"
+    assert on_gpu("model.attention=pallas", "model.attention_kernel=triton").attention_kernel == "triton"
+    moe = on_gpu("model.preset=tiny_moe", ep=2)
+    assert (moe.moe_exchange, moe.moe_gemm, moe.moe_fp32) == ("ragged", "pallas", False)
+    assert on_gpu("parallel.tp_overlap=collective_matmul", tp=2).tp_ring
+    assert not on_gpu("parallel.tp_overlap=collective_matmul").tp_ring  # tp = 1: nothing to overlap
+    cpu = resolve(tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16"),
+                  dict(pp=1, dp=1, fsdp=1, ep=2, cp=1, sp=1, tp=1), "cpu")
+    assert (cpu.moe_exchange, cpu.moe_gemm, cpu.moe_fp32, cpu.interpret) == ("padded", "ragged_dot", True, True)
+
+
+def test_an_explicit_choice_that_cannot_run_here_is_one_config_error():
+    cfg = tiny_config("model.attention=pallas", "model.attention_kernel=mosaic")
+    with pytest.raises(ConfigError, match=r"model.attention_kernel=mosaic: interpret mode"):
+        resolve(cfg, dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), "cpu")
+    with pytest.raises(ConfigError, match="moe.dispatch=ragged: the CPU backend has no ragged all-to-all"):
+        resolve(tiny_config("model.preset=tiny_moe", "moe.dispatch=ragged"),
+                dict(pp=1, dp=1, fsdp=1, ep=2, cp=1, sp=1, tp=1), "cpu")
+
+
+@pytest.mark.parametrize("schedule", KINDS)
+def test_guard_and_planner_estimate_a_pipeline_alike(schedule):
+    v = 2 if schedule in ("interleaved", "dualpipe_v") else 1
+    cfg = build_config({}, ["model.preset=llama1b", "data.seq_len=2048", "mesh.pp=4", "mesh.fsdp=2", "mesh.dp=1",
+                            "train.global_batch=16", "train.grad_accum=8", f"pipeline.schedule={schedule}",
+                            f"pipeline.virtual_stages={v}", "precision.compute=bfloat16"])
+    cfg = with_mesh(cfg, validate(cfg, 8))
+    exe, guarded = guard.run_estimate_on(cfg, "gpu")
+    planned, planned_exe = as_given(cfg, Rates.preset("h100"), 8, backend="gpu")
+    assert planned_exe == exe
+    assert planned.memory.total == guarded.total
+    # the estimate holds the config's own schedule's peak of microbatches in flight
+    peak = max(make_schedule(schedule, 4, 8, v).peak_in_flight)
+    assert guarded.detail["in_flight"] == in_flight(Layout.of(cfg)) == peak
