@@ -1,11 +1,14 @@
 """Kernels for meshtrain, each with a jnp reference beside it: Pallas (Mosaic GPU, Triton lowering) and
-Triton-language ones. Imports jax only; triton and jax-triton when a Triton kernel first runs."""
-from pallas_kernels.attention_plan import FlashAttentionBlockSizes, MosaicBlockSizes
-from pallas_kernels.attention_reference import flash_attention_reference
+Triton-language ones. Imports jax only; triton and jax-triton when a Triton kernel first runs.
+
+Layout: a kernel family of several files has its own folder (attention/: flash attention's entry,
+plan, reference and its Mosaic GPU and Triton backends); a single-file kernel sits here beside
+_common.py, the helpers they share."""
+from pallas_kernels.attention import (FORWARD_OUTPUTS as FLASH_FORWARD_OUTPUTS, FlashAttentionBlockSizes,
+                                      MosaicBlockSizes, flash_attention, flash_attention_backward,
+                                      flash_attention_reference, mosaic_unavailable)
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                                           linear_cross_entropy_reference)
-from pallas_kernels.flash_attention import (FORWARD_OUTPUTS as FLASH_FORWARD_OUTPUTS, flash_attention,
-                                            flash_attention_backward, mosaic_unavailable)
 from pallas_kernels.grouped_matmul import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 from pallas_kernels.rms_norm import RmsNormBlockSizes, rms_norm, rms_norm_reference
 

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import all_eqns, assert_attention_grad_prints_no_deprecation, packed_segment_ids
 from pallas_kernels import MosaicBlockSizes, flash_attention, flash_attention_reference
-from pallas_kernels.mosaic_common import is_hopper
+from pallas_kernels.attention.mosaic_common import is_hopper
 
 TOL = 2e-2
 hopper = pytest.mark.skipif(not (jax.default_backend() == "gpu" and is_hopper()), reason="needs a Hopper GPU")
@@ -125,7 +125,7 @@ def test_auto_runs_the_triton_kernels_where_mosaic_cannot():
 
 
 def _mosaic_plan(causal, has_seg, t=250, pad=256, blocks=None):
-    from pallas_kernels.attention_plan import AttentionPlan, FlashAttentionBlockSizes
+    from pallas_kernels.attention.plan import AttentionPlan, FlashAttentionBlockSizes
     return AttentionPlan(causal=causal, sm_scale=0.125, t_real=t, s_real=t, t_pad=pad, s_pad=pad, has_seg=has_seg,
                          blocks=FlashAttentionBlockSizes(), interpret=False, backend="mosaic",
                          mosaic=blocks or MosaicBlockSizes())
@@ -136,8 +136,8 @@ def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
     """The kernel bodies trace to jaxprs (no GPU needed): what the CPU can check of them. Each kernel is
     one mpmd_map; the forward's is the one the remat policy `save_dots_attn` keeps."""
     from meshtrain.model.remat import fused_attention_forward
-    from pallas_kernels.mosaic_attention_bwd import mosaic_attention_backward
-    from pallas_kernels.mosaic_attention_fwd import mosaic_attention_forward
+    from pallas_kernels.attention.mosaic_bwd import mosaic_attention_backward
+    from pallas_kernels.attention.mosaic_fwd import mosaic_attention_forward
     plan = _mosaic_plan(causal, has_seg, blocks=MosaicBlockSizes(dq_atomic=dq_atomic))
     q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
     kv = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
@@ -160,7 +160,7 @@ def test_remat_policy_keeps_the_mosaic_forward(policy, fwd_calls):
     on any backend). The kernel has effects, so it is never dropped from a recomputation: the policy must
     save the kernel itself, not only its named outputs."""
     from meshtrain.model.remat import remat_policy
-    from pallas_kernels.flash_attention import _flash
+    from pallas_kernels.attention.api import _flash
     plan = _mosaic_plan(causal=True, has_seg=False, t=256)
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
 

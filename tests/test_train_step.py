@@ -166,7 +166,7 @@ def test_save_dots_attn_keeps_the_mosaic_attention_forward(policy, fwd_calls):
     """The same on a Hopper GPU with the Mosaic kernels (bf16, head dim 64), whose forward is one mpmd_map."""
     from meshtrain.step.loss import loss_sum_fn
     from meshtrain.step.state import init_state, make_batches
-    from pallas_kernels.mosaic_common import is_hopper
+    from pallas_kernels.attention.mosaic_common import is_hopper
     if not (jax.default_backend() == "gpu" and is_hopper()):
         pytest.skip("needs a Hopper GPU")
     cfg = single_device(tiny_config("model.attention=pallas", "model.attention_kernel=mosaic", "model.n_layers=1",

@@ -1,7 +1,7 @@
-"""Flash attention's Triton backend: the kernels of `triton_attention_kernels.py` launched on jax arrays.
+"""Flash attention's Triton backend: the kernels of `triton_kernels.py` launched on jax arrays.
 
   forward   grid (Tp/bq, B, H)   -> o [B, Tp, H, E], lse [B, H, Tp] fp32 (natural log)
-  backward  XLA: delta, lse2 (`attention_plan.backward_stats`); then
+  backward  XLA: delta, lse2 (`plan.backward_stats`); then
             dK/dV  grid (Sp/bk, B, KH): a program per key block of a kv head, summing over its GQA group
             dQ     grid (Tp/bq, B, H):  a program per query block, recomputing p and dp
 """
@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import LOG2E
-from pallas_kernels.attention_plan import AttentionPlan, backward_stats
-from pallas_kernels.triton_launch import launch
+from pallas_kernels.attention.plan import AttentionPlan, backward_stats
+from pallas_kernels.attention.triton_launch import launch
 
-_KERNELS = "pallas_kernels.triton_attention_kernels"
+_KERNELS = "pallas_kernels.attention.triton_kernels"
 
 
 def _static(plan: AttentionPlan, q, k) -> dict:

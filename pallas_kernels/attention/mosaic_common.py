@@ -115,14 +115,6 @@ def launch(body, *, out_type, scratch_types, grid, grid_names, name: str):
     return pl.kernel(with_scratch, out_type=out_type, mesh=mesh, compiler_params=compiler_params(), name=name)
 
 
-def wgmma_result(shape, a, b):
-    """a @ b into a fresh fp32 accumulator; returns the tile in registers."""
-    def body(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
-
-
 def wgmma_accumulate(acc, a, b):
     """acc + a @ b, acc in registers (fp32, WGMMA layout)."""
     def body(acc_ref):

@@ -2,15 +2,15 @@
 
 They run where the Mosaic GPU kernels cannot: GPUs before Hopper, head dims other than 64 and 128,
 float32, and (through Triton's interpreter, `triton_launch.py`) the CPU tests. Launched by
-`triton_attention.py` through jax-triton.
+`triton_backend.py` through jax-triton.
 
-Layouts, all contiguous and padded to whole blocks by `flash_attention.py` (so loads need no bounds
+Layouts, all contiguous and padded to whole blocks by `api.py` (so loads need no bounds
 masks): q/o/do/dq [B, Tp, H, E], k/v/dk/dv [B, Sp, KH, E], lse/lse2/delta [B, H, Tp] fp32, segment
 ids [B, Tp] and [B, Sp] int32 (a one-element dummy when HAS_SEG is off). The plan is static, so it
 arrives as constexprs and each plan compiles its own kernels.
 
 Scores are prescaled by SCALE2 = sm_scale * log2(e) so softmax uses exp2. Causal is bottom-right
-(query i sees key j iff j <= i + OFFSET, OFFSET = S - T); the loop bounds follow attention_plan.py:
+(query i sees key j iff j <= i + OFFSET, OFFSET = S - T); the loop bounds follow plan.py:
 blocks wholly visible skip the mask, blocks past the diagonal are not visited.
 
 Imported by `triton_launch` only, after it has put Triton in the mode the launch needs (compiled or
@@ -25,7 +25,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _kv_bounds(q_start, BQ: tl.constexpr, BK: tl.constexpr, S_REAL: tl.constexpr, OFFSET: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr):
-    """(n_unmasked, n_total) key blocks for the query block at q_start (attention_plan.kv_loop_bounds)."""
+    """(n_unmasked, n_total) key blocks for the query block at q_start (plan.kv_loop_bounds)."""
     hi = tl.full([], (S_REAL + BK - 1) // BK, tl.int32)
     if CAUSAL:
         hi = tl.minimum(tl.maximum(q_start + (BQ + OFFSET + BK - 1), 0) // BK, hi)
@@ -42,7 +42,7 @@ def _kv_bounds(q_start, BQ: tl.constexpr, BK: tl.constexpr, S_REAL: tl.constexpr
 def _q_bounds(k_start, BQ: tl.constexpr, BK: tl.constexpr, T_REAL: tl.constexpr, OFFSET: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr):
     """(lo, mid, hi) query blocks for the key block at k_start: [lo, mid) masked, [mid, hi) not
-    (attention_plan.q_loop_bounds)."""
+    (plan.q_loop_bounds)."""
     hi = tl.full([], (T_REAL + BQ - 1) // BQ, tl.int32)
     if CAUSAL:
         lo = tl.minimum(tl.maximum(k_start - OFFSET, 0) // BQ, hi)
@@ -186,7 +186,7 @@ def dkdv_kernel(Q, K, V, DO, LSE2, DELTA, QSEG, KSEG, DK, DV,
     """Grid (Sp/BK, B, KH): a program owns BK keys of one kv head and walks the query blocks of
     every query head of its GQA group, so dK/dV of a kv head are summed in registers: no atomics,
     no [B, S, H, E] intermediate. lse2 = lse * log2(e) (+inf for a row that saw no key, so p = 0)
-    and delta = rowsum(o * do) - dlse come from `attention_plan.backward_stats`."""
+    and delta = rowsum(o * do) - dlse come from `plan.backward_stats`."""
     OFFSET: tl.constexpr = S_REAL - T_REAL
     GROUP: tl.constexpr = H // KH
     k_start = tl.program_id(0) * BK

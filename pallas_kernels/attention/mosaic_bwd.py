@@ -16,7 +16,7 @@
         K/V of kv head h // G:  s = Q K^T  p = exp2(s - lse2)  dp = dO V^T  ds = p (dp - delta)
         dQ += ds K. No atomics, but S and dP are computed twice: 7 GEMMs in all.
 
-Causal bounds as in the Triton kernels (attention_plan): a dK/dV consumer starts at the first query
+Causal bounds as in the Triton kernels (plan.py): a dK/dV consumer starts at the first query
 block that sees its keys, and the CTA's producer starts at the earlier consumer's first block, so
 the later consumer drains (waits and releases) the blocks before its own start.
 """
@@ -31,9 +31,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._common import LOG2E
-from pallas_kernels.attention_plan import AttentionPlan, backward_stats, kv_loop_bounds, q_loop_bounds
-from pallas_kernels.mosaic_attention_fwd import BQ
-from pallas_kernels import mosaic_common as mc
+from pallas_kernels.attention.plan import AttentionPlan, backward_stats, kv_loop_bounds, q_loop_bounds
+from pallas_kernels.attention.mosaic_fwd import BQ
+from pallas_kernels.attention import mosaic_common as mc
 
 BK = mc.ROWS_PER_WARPGROUP  # keys per dK/dV consumer
 

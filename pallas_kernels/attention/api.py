@@ -16,12 +16,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels._common import next_pow2, round_up
-from pallas_kernels.attention_plan import AttentionPlan, FlashAttentionBlockSizes, MosaicBlockSizes
-from pallas_kernels.mosaic_attention_bwd import mosaic_attention_backward
-from pallas_kernels.mosaic_attention_fwd import mosaic_attention_forward
-from pallas_kernels.attention_reference import SegmentIds, check_attention_args
-from pallas_kernels.mosaic_common import is_hopper
-from pallas_kernels.triton_attention import triton_attention_backward, triton_attention_forward
+from pallas_kernels.attention.mosaic_bwd import mosaic_attention_backward
+from pallas_kernels.attention.mosaic_common import is_hopper
+from pallas_kernels.attention.mosaic_fwd import mosaic_attention_forward
+from pallas_kernels.attention.plan import AttentionPlan, FlashAttentionBlockSizes, MosaicBlockSizes
+from pallas_kernels.attention.reference import SegmentIds, check_attention_args
+from pallas_kernels.attention.triton_backend import triton_attention_backward, triton_attention_forward
 
 BACKENDS = ("auto", "mosaic", "triton")
 # The checkpoint name on the forward kernel's outputs (o, lse), whichever backend ran it: the residuals the

@@ -26,8 +26,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels._common import LN2, LOG2E
-from pallas_kernels.attention_plan import AttentionPlan, kv_loop_bounds
-from pallas_kernels import mosaic_common as mc
+from pallas_kernels.attention.plan import AttentionPlan, kv_loop_bounds
+from pallas_kernels.attention import mosaic_common as mc
 
 BQ = mc.ROWS_PER_WARPGROUP
 
