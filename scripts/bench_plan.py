@@ -61,8 +61,8 @@ def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
 
     from benchtime import time_train_steps
     from meshtrain.config import build_config
+    from meshtrain.launch import resolve
     from meshtrain.metrics import memory_in_use
-    from meshtrain.planning.startup import resolve
     from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
 
     cfg, mesh = resolve(build_config({}, overrides), n_devices)
