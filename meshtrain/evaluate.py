@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from meshtrain import cli
+from meshtrain import launch
 
 
 def describe_data(cfg, split: str) -> str:
@@ -22,10 +22,11 @@ def describe_data(cfg, split: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.with_overrides(cli.parser("evaluate", __doc__.splitlines()[2].strip()))
+    p = launch.with_overrides(launch.checkpoint_parser("evaluate", __doc__.splitlines()[2].strip()))
     args = p.parse_intermixed_args(argv)
 
     def body() -> int:
+        launch.prepare_devices(args.overrides)  # before jax: the rest of the start-up is inference.load's
         from meshtrain.evaluation import evaluate, make_eval_step
         from meshtrain.inference import load
         from meshtrain.step.state import make_batches
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval loss {result['eval_loss']:.6f}  perplexity {result['eval_ppl']:.4f}", flush=True)
         return 0
 
-    return cli.main_guard(body)
+    return launch.guarded(body)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from meshtrain import cli
+from meshtrain import launch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -70,12 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
+        launch.prepare_devices([])  # before jax (the parameters go to one CPU device either way)
         step, files = export(args.checkpoint, Path(args.out), step=args.step, dtype=args.dtype,
                              max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
         print(f"export: step {step} of {args.checkpoint} -> {args.out}: {', '.join(files)}", flush=True)
         return 0
 
-    return cli.main_guard(body)
+    return launch.guarded(body)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshtrain import cli
+from meshtrain import launch
 from meshtrain.config import ConfigError
 
 
@@ -57,7 +57,7 @@ def eos_ids(hf_source: Path | None, data_eos: int) -> set[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.parser("generate", "Sample continuations of prompts with a KV cache.")
+    p = launch.checkpoint_parser("generate", "Sample continuations of prompts with a KV cache.")
     p.add_argument("--prompt", action="append", required=True, help="text to continue (repeat for several)")
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: the model's, else bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
-    args = cli.with_overrides(p).parse_intermixed_args(argv)
+    args = launch.with_overrides(p).parse_intermixed_args(argv)
 
     def body() -> int:
+        launch.prepare_devices(args.overrides)  # before jax: the rest of the start-up is inference.load's
         from meshtrain.generation import generate
         from meshtrain.inference import load
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             print(text + tok.decode(ids), flush=True)
         return 0
 
-    return cli.main_guard(body)
+    return launch.guarded(body)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from meshtrain.config import ConfigError, build_config
-from meshtrain.planning import startup
+from meshtrain import launch
+from meshtrain.config import build_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,23 +103,24 @@ def print_diff(a, b, label_a: str, label_b: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = startup.load(args.config, args.overrides, args.devices)
-        cfg_b = build_config(cfg.to_dict(), args.diff) if args.diff else None
-    except ConfigError as e:
-        return startup.fail(e)
+    return launch.guarded(lambda: command(args))
+
+
+def command(args: argparse.Namespace) -> int:
+    # run's config (its CPU default unless --devices asks for a count), on the devices asked for. No
+    # XLA flags: --diff compiles a second config in this process, which the first's flags would not fit.
+    cfg = launch.load(args.config, args.overrides, cpu_defaults=not args.devices)
+    cfg_b = build_config(cfg.to_dict(), args.diff) if args.diff else None
+    launch.prepare(cfg, args.devices, flags=False)
 
     from meshtrain.planning.aot import compile_step, dump
 
-    try:
-        cfg, mesh = startup.resolve(cfg, args.devices)
-        report = compile_step(cfg, mesh, keep_text=bool(args.dump))
-        other = None
-        if cfg_b is not None:
-            cfg_b, mesh_b = startup.resolve(cfg_b, args.devices)
-            other = compile_step(cfg_b, mesh_b)
-    except ConfigError as e:
-        return startup.fail(e)
+    cfg, mesh = launch.resolve(cfg, args.devices)
+    report = compile_step(cfg, mesh, keep_text=bool(args.dump))
+    other = None
+    if cfg_b is not None:
+        cfg_b, mesh_b = launch.resolve(cfg_b, args.devices)
+        other = compile_step(cfg_b, mesh_b)
     if args.dump:
         index = dump(report, args.dump)
         print(f"meshtrain: HLO written to {args.dump} (see {index.name})", file=sys.stderr)

@@ -15,8 +15,8 @@ import dataclasses
 import json
 import sys
 
+from meshtrain import launch
 from meshtrain.config import ConfigError
-from meshtrain.planning import startup
 
 GIB = 2.0**30
 
@@ -69,18 +69,22 @@ def print_table(title: str, cands) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = startup.load(args.config, args.overrides, args.devices if args.verify else 1, run_defaults=False)
-        rates = rates_from(args)
-    except ConfigError as e:
-        return startup.fail(e)
+    return launch.guarded(lambda: command(args))
+
+
+def command(args: argparse.Namespace) -> int:
+    # The plain defaults (the search picks the layout); devices are simulated only to --verify, and no
+    # XLA flags are set: each candidate compiles with its own layout in this one process.
+    cfg = launch.load(args.config, args.overrides, cpu_defaults=False)
+    rates = rates_from(args)
+    launch.prepare(cfg, args.devices if args.verify else 1, flags=False)
 
     from meshtrain.config import resolve_mesh, with_mesh
     from meshtrain.planning.search import as_given, search
 
     degrees, problems = resolve_mesh(cfg.mesh, args.devices)
     if problems:
-        return startup.fail(ConfigError(problems))
+        raise ConfigError(problems)
     given_cfg = with_mesh(cfg, degrees)
     # The plan is for the GPUs whose rates it uses: every `auto` is decided as a GPU run would decide it.
     given, _ = as_given(given_cfg, rates, args.devices, backend="gpu")
@@ -126,7 +130,7 @@ def verify(cands, cfg, n_devices: int) -> int:
     print("\nverify: estimate against XLA's memory_analysis (peak = arguments + outputs - aliased + temps)")
     for c in cands:
         try:
-            ccfg, mesh = startup.resolve(build_config(cfg.to_dict(), c.layout.overrides()), n_devices)
+            ccfg, mesh = launch.resolve(build_config(cfg.to_dict(), c.layout.overrides()), n_devices)
             xla = compile_step(ccfg, mesh).memory["peak_bytes"]
         except ConfigError as e:
             print(f"  {c.layout.label():<46} cannot compile here: {e.problems[0]}")

@@ -61,8 +61,8 @@ def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
 
     from benchtime import time_train_steps
     from meshtrain.config import build_config
+    from meshtrain.launch import resolve
     from meshtrain.metrics import memory_in_use
-    from meshtrain.planning.startup import resolve
     from meshtrain.step.state import build_setup, init_state, make_batches
     from meshtrain.step.train_step import make_train_step
 

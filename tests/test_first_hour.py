@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY, single_device, tiny_config
-from meshtrain import run, trainer
+from meshtrain import launch, run, trainer
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import validate, with_mesh
 from meshtrain.mesh import build_mesh
@@ -40,7 +40,7 @@ def one_device(cfg):
 
 
 def help_lines(monkeypatch, capsys, on_cpu: bool) -> dict[str, str]:
-    monkeypatch.setattr(run, "cpu_only", lambda _: on_cpu)
+    monkeypatch.setattr(launch, "cpu_only", lambda _: on_cpu)
     with pytest.raises(SystemExit) as e:
         run.main(["--help"])
     assert e.value.code == 0

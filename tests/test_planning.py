@@ -16,11 +16,11 @@ import pytest
 from helpers import cli_env
 
 from meshtrain.config import ConfigError, build_config
+from meshtrain.launch import resolve
 from meshtrain.planning import collectives as col
 from meshtrain.planning import guard, hlo
 from meshtrain.planning.aot import compile_step
 from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes, param_count, playbook_state_bytes
-from meshtrain.planning.startup import resolve
 
 # Big enough that activations and state dominate the compiler's own scratch, small enough to compile
 # fast (compile time hardly depends on the shapes). fp32: the CPU compiler runs bf16 matmuls in fp32.
