@@ -115,11 +115,11 @@ def command(args: argparse.Namespace) -> int:
 
     from meshtrain.planning.aot import compile_step, dump
 
-    cfg, mesh = launch.resolve(cfg, args.devices)
+    cfg, mesh = launch.validated_mesh(cfg, args.devices)
     report = compile_step(cfg, mesh, keep_text=bool(args.dump))
     other = None
     if cfg_b is not None:
-        cfg_b, mesh_b = launch.resolve(cfg_b, args.devices)
+        cfg_b, mesh_b = launch.validated_mesh(cfg_b, args.devices)
         other = compile_step(cfg_b, mesh_b)
     if args.dump:
         index = dump(report, args.dump)

@@ -8,8 +8,9 @@
   XLA flags   prepare(): xla_flags.apply_config, also before jax starts its backend
   distributed start(): jax.distributed when this is one process of many, before anything asks for
               the global device count
-  validate    resolve(): validate() against that count, with the token-file checks: every problem at once
-  mesh        resolve(): on every visible device, or on the first N (a command's --devices)
+  validate    validated_mesh(): validate() against that count, with the token-file checks: every problem at once
+  mesh        validated_mesh(): on every visible device, or on the first N (a command's --devices)
+  decide      start(): every `auto` of the config for this mesh (meshtrain.resolve: the Execution)
   memory      start(): the memory guard, when the command asks for it, before any allocation
 
 A config mistake is a ConfigError anywhere in these steps; `fail` prints it as one `config error:`
@@ -31,6 +32,8 @@ from meshtrain.config import Config, ConfigError, build_config, cpu_default_over
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
+
+    from meshtrain.resolve import Execution
 
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
 
@@ -107,26 +110,30 @@ def prepare_devices(overrides: list[str]) -> None:
 class Started:
     cfg: Config  # the mesh degrees resolved (what gets saved beside a checkpoint)
     mesh: Mesh
+    exe: Execution  # what will run: every `auto` decided (the banner prints it)
     multi_process: bool  # jax.distributed was started: shut it down together at the end
 
 
 def start(cfg: Config, devices: int | None = None, *, distributed: bool = True, data: bool = True,
           memory_guard: bool = False) -> Started:
     """The steps after `prepare`: distributed init, validate (+ token files when `data`), the mesh on
-    the first `devices` devices (default: all), and the memory guard when asked for."""
+    the first `devices` devices (default: all), the Execution, and the memory guard when asked for."""
+    from meshtrain.resolve import resolve_for_mesh
+
     multi_process = False
     if distributed:
         from meshtrain.mesh import initialize_distributed
         multi_process = initialize_distributed(cfg.distributed)
-    cfg, mesh = resolve(cfg, devices, data=data)
+    cfg, mesh = validated_mesh(cfg, devices, data=data)
+    exe = resolve_for_mesh(cfg, mesh)  # an explicit choice that cannot run here is a config error now
     if memory_guard:  # before any allocation: a config that cannot fit stops here, in one line
         from meshtrain.planning import guard
         guard.check(cfg, mesh.devices.size, mesh.devices.flat[0].platform, guard.device_limit(),
                     xla_flags.gpu_memory_fraction())
-    return Started(cfg, mesh, multi_process)
+    return Started(cfg, mesh, exe, multi_process)
 
 
-def resolve(cfg: Config, devices: int | None = None, *, data: bool = False) -> tuple[Config, Mesh]:
+def validated_mesh(cfg: Config, devices: int | None = None, *, data: bool = False) -> tuple[Config, Mesh]:
     """(config with the mesh resolved, Mesh) on the first `devices` visible devices (default: all of
     them, over every process). Validation problems and, when `data`, the token files' come together."""
     import jax
@@ -151,27 +158,22 @@ def resolve(cfg: Config, devices: int | None = None, *, data: bool = False) -> t
     return with_mesh(cfg, degrees), build_mesh(degrees, jax.devices()[:n] if devices else None)
 
 
-def banner(cfg: Config, mesh: Mesh) -> None:
+def banner(cfg: Config, mesh: Mesh, exe: Execution) -> None:
     """What the run is about to train and how, printed by process 0."""
     import jax
 
-    from meshtrain.config import padded_vocab
     from meshtrain.mesh import describe
-    from meshtrain.model.attention import resolve as resolve_attention
 
     if jax.process_index() != 0:
         return
-    degrees = dict(mesh.shape)
-    attn = resolve_attention(cfg.model.attention, jax.numpy.dtype(cfg.precision.compute), cfg.data.document_mask,
-                             pipelined=degrees["pp"] > 1, sequence_sharded=degrees["cp"] * degrees["sp"] > 1)
-    padded = padded_vocab(cfg.model, degrees["tp"])
-    if padded != cfg.model.vocab_size:
-        print(f"meshtrain: model.vocab_size={cfg.model.vocab_size} padded to {padded} so that mesh.tp="
-              f"{degrees['tp']} divides it; the {padded - cfg.model.vocab_size} extra logits are masked", flush=True)
+    if exe.vocab_padded != cfg.model.vocab_size:
+        print(f"meshtrain: model.vocab_size={cfg.model.vocab_size} padded to {exe.vocab_padded} so that mesh.tp="
+              f"{mesh.shape['tp']} divides it; the {exe.vocab_padded - cfg.model.vocab_size} extra logits are masked",
+              flush=True)
     model = cfg.checkpoint.init_from or cfg.model.preset
     print(f"meshtrain: mesh {describe(mesh)}, model {model} "
           f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), {cfg.precision.compute} compute, "
-          f"ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, attention {attn}", flush=True)
+          f"ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, {exe.describe()}", flush=True)
 
 
 # -- argument helpers shared by the checkpoint commands (evaluate, generate) ----------------------

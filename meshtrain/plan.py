@@ -130,7 +130,7 @@ def verify(cands, cfg, n_devices: int) -> int:
     print("\nverify: estimate against XLA's memory_analysis (peak = arguments + outputs - aliased + temps)")
     for c in cands:
         try:
-            ccfg, mesh = launch.resolve(build_config(cfg.to_dict(), c.layout.overrides()), n_devices)
+            ccfg, mesh = launch.validated_mesh(build_config(cfg.to_dict(), c.layout.overrides()), n_devices)
             xla = compile_step(ccfg, mesh).memory["peak_bytes"]
         except ConfigError as e:
             print(f"  {c.layout.label():<46} cannot compile here: {e.problems[0]}")

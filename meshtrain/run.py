@@ -56,7 +56,7 @@ def train_from(cfg) -> int:
 
     started = launch.start(cfg, memory_guard=cfg.run.memory_guard)
     cfg, mesh = started.cfg, started.mesh
-    launch.banner(cfg, mesh)
+    launch.banner(cfg, mesh, started.exe)
     try:
         result = train(cfg, mesh)  # a ConfigError here too is one line per problem and 2 (launch.guarded)
     except NonFiniteError as e:

@@ -61,12 +61,12 @@ def measure(overrides: list[str], n_devices: int, steps: int) -> dict:
 
     from benchtime import time_train_steps
     from meshtrain.config import build_config
-    from meshtrain.launch import resolve
+    from meshtrain.launch import validated_mesh
     from meshtrain.metrics import memory_in_use
     from meshtrain.step.state import build_setup, init_state, make_batches
     from meshtrain.step.train_step import make_train_step
 
-    cfg, mesh = resolve(build_config({}, overrides), n_devices)
+    cfg, mesh = validated_mesh(build_config({}, overrides), n_devices)
     setup = build_setup(cfg, mesh)
     batches = make_batches(setup)
     state, step = init_state(setup), make_train_step(setup)

@@ -16,7 +16,7 @@ import pytest
 from helpers import cli_env
 
 from meshtrain.config import ConfigError, build_config
-from meshtrain.launch import resolve
+from meshtrain.launch import validated_mesh
 from meshtrain.planning import collectives as col
 from meshtrain.planning import guard, hlo
 from meshtrain.planning.aot import compile_step
@@ -51,7 +51,7 @@ def layout_cfg(name: str):
 def reports():
     out = {}
     for name in LAYOUTS:
-        cfg, mesh = resolve(layout_cfg(name), 8)
+        cfg, mesh = validated_mesh(layout_cfg(name), 8)
         out[name] = compile_step(cfg, mesh)
     return out
 
@@ -94,7 +94,7 @@ NEW_AXIS_CASES = [
 
 @pytest.mark.parametrize("name,overrides,expected,allowed", NEW_AXIS_CASES, ids=[c[0] for c in NEW_AXIS_CASES])
 def test_new_axis_collectives(name, overrides, expected, allowed):
-    cfg, mesh = resolve(build_config({}, SHAPE[:-1] + ["model.d_model=64", "model.d_ff=128", "data.seq_len=32"]
+    cfg, mesh = validated_mesh(build_config({}, SHAPE[:-1] + ["model.d_model=64", "model.d_ff=128", "data.seq_len=32"]
                                      + overrides.split()), 8)
     rows = compile_step(cfg, mesh).collectives
     assert expected in {(r.op, r.axes) for r in rows}, f"{name}: {sorted((r.op, r.axes) for r in rows)}"
@@ -185,7 +185,7 @@ def test_param_count_matches_the_model():
     for preset, expected in (("tiny", None), ("llama3_8b", 8_030_261_248)):
         cfg = build_config({}, [f"model.preset={preset}", "mesh.fsdp=1"])
         assert expected is None or param_count(cfg) == expected
-    cfg, mesh = resolve(layout_cfg("dp8"), 8)
+    cfg, mesh = validated_mesh(layout_cfg("dp8"), 8)
     from meshtrain.step.state import build_setup, init_state
     setup = build_setup(cfg, mesh)
     assert param_count(cfg) == count_params(jax.eval_shape(lambda: init_state(setup)).params)
@@ -204,7 +204,7 @@ def test_layer_residuals_match_what_autodiff_keeps(remat, compute):
 
     # 3 sequences, 2 layers: a stacked residual [L, b, ...] cannot be mistaken for an unstacked one.
     cfg = build_config({}, SHAPE + ["train.global_batch=3", f"train.remat={remat}", f"precision.compute={compute}"])
-    cfg, mesh = resolve(cfg, 1)
+    cfg, mesh = validated_mesh(cfg, 1)
     setup = build_setup(cfg, mesh)
     z = jnp.zeros((3, 128), jnp.int32)
     params = jax.eval_shape(lambda: setup.model.init(jax.random.key(0), z, z, z))
