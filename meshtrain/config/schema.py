@@ -66,7 +66,7 @@ class ModelConfig:
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
     # How tensor parallelism's collectives meet the matmuls beside them. none: GSPMD's collectives, the
     # latency-hiding scheduler overlaps what it can; windowed_einsum: XLA's own collective matmul (GPU flags,
-    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/collective_matmul.py),
+    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/tensor.py),
     # which needs mesh.sequence_parallel, cp = sp = 1 and a bf16/fp16 matmul recipe. No effect with tp = 1.
     tp_overlap: Literal["none", "windowed_einsum", "collective_matmul"] = "none"
     norm: Literal["reference", "pallas"] = "reference"

@@ -301,7 +301,7 @@ def pipeline_problems(cfg: Config, pp: int) -> list[str]:
 
 
 def collective_matmul_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
-    """model.tp_overlap=collective_matmul (parallel/collective_matmul.py): where its ring applies."""
+    """model.tp_overlap=collective_matmul (parallel/tensor.py): where its ring applies."""
     fix = "or use model.tp_overlap=none"
     problems = []
     if not cfg.mesh.sequence_parallel:

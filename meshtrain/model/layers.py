@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.config import ModelConfig
 from meshtrain import fp8
-from meshtrain.parallel import collective_matmul
+from meshtrain.parallel import tensor
 from meshtrain.precision import Precision
 from meshtrain.sharding import LogicalNames, ShardingRules
 
@@ -47,8 +47,8 @@ def site_matmul(module: nn.Module, site: str, subscripts: str, x: jax.Array, w: 
 
 
 def ring_tp(module: nn.Module) -> bool:
-    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/collective_matmul.py)?"""
-    return collective_matmul.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
+    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/tensor.py)?"""
+    return tensor.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
 
 
 def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
@@ -60,7 +60,7 @@ def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
 
     def matmul(x_chunk, ws_local):
         return [policy.einsum(subscripts, x_chunk, w, site=site) for (site, subscripts, *_), w in zip(sites, ws_local)]
-    return collective_matmul.gather_matmuls(policy.cast(x_btd), ws, [s[3] for s in sites], [s[4] for s in sites],
+    return tensor.gather_matmuls(policy.cast(x_btd), ws, [s[3] for s in sites], [s[4] for s in sites],
                                             matmul, module.rules)
 
 
@@ -68,7 +68,7 @@ def scattered_site_matmul(module: nn.Module, site: str, subscripts: str, h: jax.
                           h_names: LogicalNames, w_names: LogicalNames) -> jax.Array:
     """A row-parallel matmul whose tp partial sums land on the sequence-sharded residual stream."""
     policy: Precision = module.policy
-    return collective_matmul.matmul_scatter(policy.cast(h), policy.cast(w), h_names, w_names,
+    return tensor.matmul_scatter(policy.cast(h), policy.cast(w), h_names, w_names,
                                             lambda h_chunk, w_local: policy.einsum(subscripts, h_chunk, w_local,
                                                                                    site=site), module.rules)
 

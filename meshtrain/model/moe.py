@@ -2,7 +2,7 @@
 (if any) see every token. Shapes: B batch, T sequence, D model, X experts, K top-k, F expert ffn.
 
     x [B, T, D] ─┬─ router (fp32) ─> logits [B, T, X] ─> top-k: experts [B, T, K], weights [B, T, K]
-                 ├─ routed experts (parallel/expert_dispatch.py: all-to-all over ep, grouped matmuls)
+                 ├─ routed experts (parallel/expert.py: all-to-all over ep, grouped matmuls)
                  └─ shared experts (a dense SwiGLU n_shared·F wide)          y = routed + shared
 
 Routers: `softmax` weights are the top-k softmax probabilities (Switch, OLMoE: not renormalized);
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.layers import SwiGLU, param, scaled_normal
-from meshtrain.parallel.expert_dispatch import moe_ffn, resolve_exchange, resolve_grouped_matmul
+from meshtrain.parallel.expert import moe_ffn, resolve_exchange, resolve_grouped_matmul
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules
 

@@ -48,8 +48,6 @@ from meshtrain.config import ConfigError
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules
 
-EXCHANGES = ("ragged", "padded")
-
 
 def resolve_exchange(name: str) -> str:
     """`moe.dispatch` -> the dropless exchange this backend runs (ragged needs GPU/TPU collectives)."""

@@ -4,8 +4,8 @@ The residual stream and q/k/v arrive sequence-sharded over (cp, sp), cp major: c
 T/cp tokens (two zig-zag chunks), split once more over sp. One shard_map region does the rest:
 
     q, k, v [B, T/(cp*sp), H, E]  (heads over tp)
-      ── Ulysses all-to-all over sp ──>  [B, T/cp, H/sp, E]        parallel/ulysses.py (sp > 1)
-      ── ring over cp: K/V blocks hop ─> o [B, T/cp, H/sp, E]      parallel/ring_attention.py (cp > 1)
+      ── Ulysses all-to-all over sp ──>  [B, T/cp, H/sp, E]        sequence/ulysses.py (sp > 1)
+      ── ring over cp: K/V blocks hop ─> o [B, T/cp, H/sp, E]      sequence/ring.py (cp > 1)
       ── Ulysses all-to-all back ──────> o [B, T/(cp*sp), H, E]
 
 Which axes the region takes over. With the jnp block it is manual over cp and sp only, the axes it
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import jax
 
-from meshtrain.parallel import ulysses
-from meshtrain.parallel.attention_block import BlockAttention
-from meshtrain.parallel.ring_attention import Ring, allgather_attention, ring_attention
+from meshtrain.parallel.sequence import ulysses
+from meshtrain.parallel.sequence.block import BlockAttention
+from meshtrain.parallel.sequence.ring import Ring, allgather_attention, ring_attention
 from meshtrain.sharding import ShardingRules, only_axes
 
 Q = ("batch", "act_seq", "act_heads", None)
