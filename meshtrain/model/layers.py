@@ -20,7 +20,7 @@ from meshtrain.config import ModelConfig
 from meshtrain import fp8
 from meshtrain.parallel import tensor
 from meshtrain.precision import Precision
-from meshtrain.sharding import LogicalNames, ShardingRules
+from meshtrain.sharding import HIDDEN, LogicalNames, ShardingRules
 
 FP8_META = "fp8_meta"  # variable collection of the fp8_delayed amax histories (train state, not params)
 
@@ -161,19 +161,18 @@ class SwiGLU(nn.Module):
         w_up_df = param(self, "w_up", init, (c.d_model, c.d_ff), ("embed", "mlp"), p.param_dtype)
         w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("mlp", "embed"),
                           p.param_dtype)
-        hidden_names = ("batch", "act_seq", "act_mlp")
         ring = ring_tp(self)
         if ring:
             gate_btf, up_btf = gathered_site_matmuls(self, x_btd, [
-                ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), hidden_names),
-                ("mlp.w_up", "btd,df->btf", w_up_df, ("embed", "mlp"), hidden_names)])
+                ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), HIDDEN),
+                ("mlp.w_up", "btd,df->btf", w_up_df, ("embed", "mlp"), HIDDEN)])
         else:
             gate_btf = site_matmul(self, "mlp.w_gate", "btd,df->btf", x_btd, w_gate_df)
             up_btf = site_matmul(self, "mlp.w_up", "btd,df->btf", x_btd, w_up_df)
-        hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, hidden_names)
+        hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, HIDDEN)
         hidden_btf = checkpoint_name(hidden_btf, "mlp_hidden")
         if ring:
-            out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, hidden_names,
+            out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, HIDDEN,
                                             ("mlp", "embed"))
         else:
             out_btd = site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd)
