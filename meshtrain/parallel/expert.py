@@ -122,20 +122,13 @@ def _local_moe(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd
     return y_nd.astype(x_btd.dtype).reshape(b, t, d), kept_nk.reshape(b, t, k)
 
 
-def _ragged_dot(x_rd, w_xdf, group_sizes_x, policy: Precision, gemm: str):
-    x_rd, w_xdf = policy.cast(x_rd), policy.cast(w_xdf)
-    if gemm == "pallas":  # fp32 operands run at full precision in the kernel (its dots ask for HIGHEST)
-        return pk.gmm(x_rd, w_xdf, group_sizes_x, preferred_element_type=policy.compute_dtype)
-    return jax.lax.ragged_dot(x_rd, w_xdf, group_sizes_x,
-                              precision=jax.lax.Precision.HIGHEST if policy.is_fp32 else None,
-                              preferred_element_type=policy.compute_dtype)
-
-
-def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy, gemm):
-    """Rows grouped by local expert (group_sizes_x rows each, zero rows after them) -> expert outputs."""
-    gate_rf = _ragged_dot(rows_rd, w_gate_xdf, group_sizes_x, policy, gemm)
-    up_rf = _ragged_dot(rows_rd, w_up_xdf, group_sizes_x, policy, gemm)
-    return _ragged_dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, group_sizes_x, policy, gemm)
+def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy: Precision, gemm: str):
+    """Rows grouped by local expert (group_sizes_x rows each, zero rows after them) -> expert outputs.
+    Each GEMM is a named site of the precision policy (config.MATMUL_SITES)."""
+    dot = partial(policy.ragged_dot, group_sizes_g=group_sizes_x, kernel=pk.gmm if gemm == "pallas" else None)
+    gate_rf = dot(rows_rd, w_gate_xdf, site="moe.w_gate")
+    up_rf = dot(rows_rd, w_up_xdf, site="moe.w_up")
+    return dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, site="moe.w_down")
 
 
 def _tp_specs(rules: ShardingRules) -> tuple:
