@@ -9,7 +9,7 @@ segment ids (attention only within a segment). Without `data.document_mask` a ro
 positions 0..T-1; with it, a row is split after every `data.eos_id`: positions restart, segment ids
 count documents, and the target of an end-of-document token (the next document's first token, which
 it cannot predict) is ignored. With context parallelism the sequence is then permuted into the cp
-layout (zig-zag by default, parallel/zigzag.py), the same permutation for all four arrays.
+layout (zig-zag by default, parallel/sequence/zigzag.py), the same permutation for all four arrays.
 
 Sources:
   synthetic  a learnable corpus: a fixed sparse Markov chain (every token has 4 possible successors),
@@ -27,7 +27,7 @@ import numpy as np
 
 from meshtrain.config import ConfigError, DataConfig
 from meshtrain.model.loss import IGNORE
-from meshtrain.parallel.zigzag import sequence_order
+from meshtrain.parallel.sequence.zigzag import sequence_order
 
 SUCCESSORS = 4  # branching factor of the synthetic Markov chain: the loss floor is ln(4) ≈ 1.386
 

@@ -1,16 +1,19 @@
 """One numerics policy for the whole model.
 
 fp32 master parameters; matmul operands in the compute dtype with fp32 accumulation; logits,
-softmax and norms always in fp32. Every dense matmul goes through `Precision.einsum` and names its
-site (`attn.wq`, `mlp.w_down`, `lm_head`, ...); the policy maps the site to a recipe:
+softmax and norms always in fp32. Every dense matmul goes through `Precision.einsum`, and every expert
+GEMM through `Precision.ragged_dot`, and names its site (`attn.wq`, `mlp.w_down`, `moe.w_up`,
+`lm_head`; all of them in config.MATMUL_SITES); the policy maps the site to a recipe:
 
     bf16           operands in the compute dtype (bf16 by default), fp32 accumulation
     fp8            e4m3 forward / e5m2 backward, per-tensor scales from this step's amax
     fp8_delayed    the same, scales from an amax history kept in the train state
     fp8_blockwise  1x128 activation/gradient tiles and 128x128 weight blocks (DeepSeek-V3)
 
-Sites matching a `fp8_exclude` pattern (fnmatch) stay on the plain recipe. meshtrain/fp8.py holds the
-fp8 recipes; this module only dispatches, so no cast is scattered through the model.
+Sites matching a `fp8_exclude` pattern (fnmatch; by default `lm_head` and `moe.*`) stay on the plain
+recipe. The expert GEMMs have no fp8 recipe yet: they run the plain one whatever their recipe, and
+validate() refuses a config that lets fp8 reach them. meshtrain/fp8.py holds the fp8 recipes; this
+module only dispatches, so no cast is scattered through the model.
 """
 from __future__ import annotations
 
@@ -18,14 +21,15 @@ import fnmatch
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from meshtrain import fp8
+from meshtrain.config import FP8_EXCLUDE_DEFAULT, MATMUL_SITES
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-DEFAULT_EXCLUDE = ("embedding", "lm_head", "*router")
 
 
 @dataclass(frozen=True)
@@ -33,12 +37,12 @@ class Precision:
     param_dtype: jnp.dtype = jnp.float32
     compute_dtype: jnp.dtype = jnp.bfloat16
     matmul: str = "bf16"  # one of fp8.RECIPES, for every site not excluded
-    fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    fp8_exclude: tuple[str, ...] = FP8_EXCLUDE_DEFAULT
     fp8_amax_history: int = 16
 
     @classmethod
     def from_names(cls, compute: str, params: str = "float32", matmul: str = "bf16",
-                   fp8_exclude: tuple[str, ...] = DEFAULT_EXCLUDE, fp8_amax_history: int = 16) -> "Precision":
+                   fp8_exclude: tuple[str, ...] = FP8_EXCLUDE_DEFAULT, fp8_amax_history: int = 16) -> "Precision":
         return cls(param_dtype=_DTYPES[params], compute_dtype=_DTYPES[compute], matmul=matmul,
                    fp8_exclude=tuple(fp8_exclude), fp8_amax_history=fp8_amax_history)
 
@@ -54,6 +58,10 @@ class Precision:
         if self.matmul == "bf16" or any(fnmatch.fnmatchcase(site, p) for p in self.fp8_exclude):
             return "bf16"
         return self.matmul
+
+    def recipes(self) -> dict[str, str]:
+        """Every matmul site's recipe under this policy."""
+        return {site: self.recipe(site) for site in MATMUL_SITES}
 
     def dot_general(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         # fp32 compute asks for full fp32 products (no TF32 on GPUs) so that sharded and single-device
@@ -94,6 +102,23 @@ class Precision:
         else:
             y = fp8.per_tensor_matmul(x_mk, w_kn, meta if recipe == "fp8_delayed" else None, out_dtype)
         return unflatten(y)
+
+
+    def ragged_dot(self, x_md: jax.Array, w_gkn: jax.Array, group_sizes_g: jax.Array, *, site: str,
+                   kernel: Callable | None = None) -> jax.Array:
+        """Grouped `x @ w`: row block g of x (group_sizes_g[g] rows) times w[g], at a named expert site.
+
+        Operands in the compute dtype, fp32 accumulation, the result in the compute dtype. `kernel` replaces
+        jax.lax.ragged_dot with a function of the same arguments (the Pallas gmm kernel, whose dots take
+        fp32 operands at full precision). No fp8 recipe exists for grouped GEMMs yet, so the site's recipe
+        is not consulted: an fp8 one would run as the plain one here, which is why `moe.*` is in the default
+        fp8_exclude and validate() refuses a config that takes it out.
+        """
+        xc, wc = self.cast(x_md), self.cast(w_gkn)
+        if kernel is not None:
+            return kernel(xc, wc, group_sizes_g, preferred_element_type=self.compute_dtype)
+        return jax.lax.ragged_dot(xc, wc, group_sizes_g, precision=jax.lax.Precision.HIGHEST if self.is_fp32 else None,
+                                  preferred_element_type=self.compute_dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -24,6 +24,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MeshAxes = str | tuple[str, ...] | None
 LogicalNames = Sequence[str | None]
 
+# The vocabulary of activation layouts, named for what they lay out: model/ and parallel/ import these
+# instead of spelling the tuples, so a layout changes here and in the rules table, nowhere else.
+RESIDUAL = ("batch", "act_res_seq", "act_embed")  # the residual stream between blocks [B, T, D]
+TOKENS = ("batch", "act_res_seq")  # per-token inputs laid out like the residual stream [B, T]
+Q = ("batch", "act_seq", "act_heads", None)  # queries and attention outputs [B, T, H, E]
+KV = ("batch", "act_seq", "act_kv_heads", None)  # keys and values [B, S, K, E]
+SEQ = ("batch", "act_seq")  # per-token inputs inside a block (positions, segment ids, labels) [B, T]
+HIDDEN = ("batch", "act_seq", "act_mlp")  # the FFN's hidden activations [B, T, F]
+HEAD_IN = ("batch", "act_seq", "act_embed")  # the final hidden states where the head reads them [B, T, D]
+
 
 def rules_table(*, fsdp_shards_weights: bool, sequence_parallel: bool,
                 kv_heads_on_tp: bool, pipeline: bool = False) -> dict[str, MeshAxes]:

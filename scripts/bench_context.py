@@ -46,8 +46,8 @@ import pallas_kernels as pk  # noqa: E402
 from meshtrain.config import build_config, validate, with_mesh  # noqa: E402
 from meshtrain.mesh import build_mesh  # noqa: E402
 from meshtrain.metrics import count_params, flops_per_token  # noqa: E402
-from meshtrain.parallel.context import context_attention  # noqa: E402
-from meshtrain.parallel.zigzag import sequence_order  # noqa: E402
+from meshtrain.parallel.sequence.context import context_attention  # noqa: E402
+from meshtrain.parallel.sequence.zigzag import sequence_order  # noqa: E402
 from meshtrain.sharding import make_rules  # noqa: E402
 from meshtrain.step.state import build_setup, init_state, make_batches
 from meshtrain.step.train_step import make_train_step  # noqa: E402

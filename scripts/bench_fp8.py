@@ -235,7 +235,7 @@ def main() -> int:
     ap.add_argument("--profile", metavar="START:END", help="trace these steps of every run (kept out of the "
                     "median) and add the time-by-category table (meshtrain.profile_table) to its record")
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. "
-                    "precision.fp8_exclude=embedding,*router (lm_head in fp8)")
+                    "precision.fp8_exclude=moe.* (lm_head in fp8)")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.profile:

@@ -13,7 +13,7 @@ DIR/bench_moe.md and prints a table last.
   PYTHONPATH=. python scripts/bench_moe.py --moe-gemm --out results/moe_gemm
 
 The all-to-all share is measured by timing: the `exchange-free` row runs the same step with every
-all-to-all of parallel/expert_dispatch.py (counts, rows and results) replaced by a local copy of the
+all-to-all of parallel/expert.py (counts, rows and results) replaced by a local copy of the
 same shape, so the compute and memory traffic stay and only the communication goes (its numbers are
 not a valid training step). share = 1 - t(exchange-free) / t(MoE). The compiled HLO's all-to-all ops
 and their operand sizes are listed beside it.

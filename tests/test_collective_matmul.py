@@ -1,4 +1,4 @@
-"""parallel/collective_matmul.py: the tp rings equal the plain matmuls, values and gradients, and move
+"""parallel/tensor.py: the tp rings equal the plain matmuls, values and gradients, and move
 activations only by collective-permutes over tp. (The whole model with model.tp_overlap=collective_matmul
 against one device is in tests/test_equivalence.py.)
 
@@ -13,7 +13,7 @@ import pytest
 from helpers import make_setup, tiny_config, train_losses
 from meshtrain.config import ConfigError, validate
 from meshtrain.mesh import build_mesh
-from meshtrain.parallel import collective_matmul as cm
+from meshtrain.parallel import tensor as cm
 from meshtrain.sharding import make_rules
 
 B, T, D, F = 4, 16, 8, 24

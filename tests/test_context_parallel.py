@@ -159,7 +159,7 @@ def test_blockwise_backward_with_merged_rows_equals_autodiff(impl):
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from meshtrain.parallel.attention_block import BlockAttention, merge
+    from meshtrain.parallel.sequence.block import BlockAttention, merge
 
     b, t, s, h, kv, e = 2, 16, 32, 4, 2, 16
     keys = jax.random.split(jax.random.key(3), 6)
@@ -190,7 +190,7 @@ def test_block_attention_passes_its_kernel_backend_to_both_directions():
     by the forward and by the backward alike (and triton runs)."""
     import jax.numpy as jnp
 
-    from meshtrain.parallel.attention_block import BlockAttention
+    from meshtrain.parallel.sequence.block import BlockAttention
 
     q = jnp.ones((1, 16, 2, 16), jnp.float32)
     pos, seg = jnp.broadcast_to(jnp.arange(16), (1, 16)), jnp.zeros((1, 16), jnp.int32)

@@ -11,7 +11,7 @@ from helpers import make_setup, single_device, tiny_config
 from meshtrain.config import ConfigError, validate
 from meshtrain.data import batch_fields
 from meshtrain.model.loss import IGNORE
-from meshtrain.parallel.zigzag import sequence_order
+from meshtrain.parallel.sequence.zigzag import sequence_order
 from meshtrain.step.state import init_state
 
 EOS = 7

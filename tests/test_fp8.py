@@ -309,7 +309,7 @@ def test_result_is_in_the_compute_dtype_or_fp32_where_asked():
 def test_sites_follow_the_exclude_patterns():
     policy = Precision.from_names("bfloat16", matmul="fp8")
     assert policy.recipe("attn.wq") == "fp8" and policy.recipe("mlp.w_down") == "fp8"
-    assert policy.recipe("lm_head") == "bf16" and policy.recipe("moe.router") == "bf16"
+    assert policy.recipe("lm_head") == "bf16" and policy.recipe("moe.w_up") == "bf16"
     custom = Precision.from_names("bfloat16", matmul="fp8_blockwise", fp8_exclude=("attn.*",))
     assert custom.recipe("attn.wo") == "bf16" and custom.recipe("lm_head") == "fp8_blockwise"
 

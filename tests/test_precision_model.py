@@ -21,7 +21,7 @@ import pytest
 
 from helpers import all_eqns, first_gradients, flatten, make_setup, single_device, tiny_config, train_losses
 from meshtrain.checkpoint import Checkpointer, abstract_state
-from meshtrain.config import ConfigError, validate
+from meshtrain.config import FP8_EXCLUDE_DEFAULT, MATMUL_SITES, ConfigError, validate
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.precision import Precision
 from meshtrain.step.loss import loss_sum_fn
@@ -194,7 +194,7 @@ def test_fp8_delayed_unrolled_with_remat_keeps_a_history_per_layer():
 
 @pytest.mark.parametrize("overrides, message", [
     (["precision.fp8_amax_history=0"], "precision.fp8_amax_history=0: must be >= 1"),
-    (["precision.matmul=fp8_delayed", "precision.fp8_exclude=embedding"], "lm_head run fp8_delayed"),
+    (["precision.matmul=fp8_delayed", "precision.fp8_exclude=moe.*"], "lm_head run fp8_delayed"),
     (["precision.matmul=fp8", "precision.fp8_exclude=", "model.loss=fused"], "model.loss=fused"),
     (["precision.matmul=fp4"], "precision.matmul='fp4': must be one of bf16, fp8, fp8_delayed, fp8_blockwise"),
 ])
@@ -202,3 +202,31 @@ def test_precision_config_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
         validate(tiny_config(*overrides), 8)
     assert any(message in p for p in e.value.problems), e.value.problems
+
+
+def test_a_pattern_that_matches_no_site_is_one_config_error():
+    """A typo in fp8_exclude would leave its site in fp8 unnoticed: it is named, with the real sites."""
+    with pytest.raises(ConfigError) as e:
+        validate(tiny_config("precision.matmul=fp8", "precision.fp8_exclude=lm_head,atn.*"), 8)
+    assert len(e.value.problems) == 1, e.value.problems
+    problem = e.value.problems[0]
+    assert "precision.fp8_exclude" in problem and "'atn.*'" in problem
+    assert all(site in problem for site in MATMUL_SITES)
+
+
+def test_the_default_exclusions_name_real_sites_and_keep_experts_plain():
+    for matmul in ("bf16",) + FP8:
+        validate(tiny_config(f"precision.matmul={matmul}"), 8)  # passes: every default pattern matches a site
+        validate(tiny_config("model.preset=tiny_moe", f"precision.matmul={matmul}"), 8)
+    assert tiny_config().precision.fp8_exclude == ",".join(FP8_EXCLUDE_DEFAULT)
+    recipes = Precision.from_names("bfloat16", matmul="fp8").recipes()
+    assert {s for s, r in recipes.items() if r == "bf16"} == {"lm_head", "moe.w_gate", "moe.w_up", "moe.w_down"}
+
+
+def test_fp8_cannot_reach_the_expert_gemms():
+    """The grouped expert GEMMs have no fp8 recipe: an MoE config that takes moe.* out of the exclusions
+    is refused instead of running its experts in bf16 behind the user's back."""
+    with pytest.raises(ConfigError) as e:
+        validate(tiny_config("model.preset=tiny_moe", "precision.matmul=fp8", "precision.fp8_exclude=lm_head"), 8)
+    assert any("moe.w_gate, moe.w_up, moe.w_down run fp8" in p for p in e.value.problems), e.value.problems
+    validate(tiny_config("precision.matmul=fp8", "precision.fp8_exclude=lm_head"), 8)  # a dense model has no experts

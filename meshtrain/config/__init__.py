@@ -3,7 +3,8 @@
 The config is the user's whole interface, so every mistake is reported as a `ConfigError` that names
 the field, the value and the fix, and `validate()` reports every problem at once instead of the first.
 
-  schema.py      the frozen dataclasses (one per section), MESH_AXES, CHECKPOINT_POINTS, derived values
+  schema.py      the frozen dataclasses (one per section), MESH_AXES, CHECKPOINT_POINTS, MATMUL_SITES, derived
+                 values
   presets.py     model presets (`model.preset`)
   loading.py     defaults <- preset <- YAML <- overrides: build_config, load_config, to_yaml, help_text
   from_hf.py     a Hugging Face config.json as model fields, for checkpoint.init_from=hf:DIR
@@ -18,8 +19,9 @@ from meshtrain.config.loading import (
 )
 from meshtrain.config.presets import LLAMA2, LLAMA3, LLAMA31, PRESETS
 from meshtrain.config.schema import (
-    CHECKPOINT_POINTS, MESH_AXES, REMAT_FIXED, CheckpointConfig, Config, DataConfig, DistributedConfig, EvalConfig,
-    MeshConfig, ModelConfig, MoEConfig, PipelineConfig, PrecisionConfig, RunConfig, TrainConfig,
+    CHECKPOINT_POINTS, FP8_EXCLUDE_DEFAULT, MATMUL_SITES, MESH_AXES, REMAT_FIXED, CheckpointConfig, Config,
+    DataConfig, DistributedConfig, EvalConfig, MeshConfig, ModelConfig, MoEConfig, PipelineConfig, PrecisionConfig,
+    RunConfig, TrainConfig,
     fp8_exclude_patterns, padded_vocab, profile_range, with_mesh,
 )
 from meshtrain.config.validation import (
@@ -29,7 +31,8 @@ from meshtrain.config.validation import (
 
 __all__ = [
     # schema
-    "MESH_AXES", "CHECKPOINT_POINTS", "REMAT_FIXED", "Config", "MeshConfig", "ModelConfig", "MoEConfig",
+    "MESH_AXES", "CHECKPOINT_POINTS", "REMAT_FIXED", "MATMUL_SITES", "FP8_EXCLUDE_DEFAULT", "Config", "MeshConfig",
+    "ModelConfig", "MoEConfig",
     "TrainConfig", "DataConfig", "PrecisionConfig", "PipelineConfig", "CheckpointConfig", "EvalConfig",
     "DistributedConfig", "RunConfig", "padded_vocab", "fp8_exclude_patterns", "profile_range", "with_mesh",
     # presets

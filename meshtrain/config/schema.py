@@ -16,6 +16,18 @@ MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out")
 # train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS (model/remat.py).
 REMAT_FIXED = ("none", "full", "save_dots", "save_dots_attn", "save_attn")
+# Every named matmul site: the precision policy maps each to a recipe (meshtrain/precision.py), and
+# precision.fp8_exclude patterns must match some of them. The embedding is a gather and the MoE router
+# runs in fp32 outside the policy, so neither is a site.
+MATMUL_SITES = (
+    "attn.wq", "attn.wk", "attn.wv", "attn.wo",  # model/transformer.py Attention
+    "mlp.w_gate", "mlp.w_up", "mlp.w_down",  # model/layers.py SwiGLU: the dense FFN, MoE shared experts
+    "moe.w_gate", "moe.w_up", "moe.w_down",  # parallel/expert.py: the routed experts' grouped GEMMs
+    "lm_head",  # model/loss.py, inference.py: the output projection
+)
+# precision.fp8_exclude's default: the head, whose rounding reaches every logit, and the expert GEMMs,
+# which have no fp8 recipe yet (they run in the compute dtype whatever the recipe says).
+FP8_EXCLUDE_DEFAULT = ("lm_head", "moe.*")
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,7 @@ class ModelConfig:
     cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
     # How tensor parallelism's collectives meet the matmuls beside them. none: GSPMD's collectives, the
     # latency-hiding scheduler overlaps what it can; windowed_einsum: XLA's own collective matmul (GPU flags,
-    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/collective_matmul.py),
+    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/tensor.py),
     # which needs mesh.sequence_parallel, cp = sp = 1 and a bf16/fp16 matmul recipe. No effect with tp = 1.
     tp_overlap: Literal["none", "windowed_einsum", "collective_matmul"] = "none"
     norm: Literal["reference", "pallas"] = "reference"
@@ -160,7 +172,7 @@ class PrecisionConfig:
     # scaling), fp8_delayed (scales from an amax history), fp8_blockwise (1x128 / 128x128 tiles).
     matmul: Literal["bf16", "fp8", "fp8_delayed", "fp8_blockwise"] = "bf16"
     fp8_amax_history: int = 16  # fp8_delayed: steps of amax history the scale is taken from
-    fp8_exclude: str = "embedding,lm_head,*router"  # comma-separated site patterns (fnmatch) kept plain
+    fp8_exclude: str = ",".join(FP8_EXCLUDE_DEFAULT)  # comma-separated MATMUL_SITES patterns (fnmatch) kept plain
 
 
 @dataclass(frozen=True)

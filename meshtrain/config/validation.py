@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from meshtrain.config.schema import (
-    CHECKPOINT_POINTS, MESH_AXES, REMAT_FIXED, Config, MeshConfig, fp8_exclude_patterns, profile_range,
+    CHECKPOINT_POINTS, MATMUL_SITES, MESH_AXES, REMAT_FIXED, Config, MeshConfig, fp8_exclude_patterns, profile_range,
 )
 
 
@@ -252,6 +252,7 @@ def precision_problems(cfg: Config) -> list[str]:
     pc, problems = cfg.precision, []
     if pc.fp8_amax_history < 1:
         problems.append(f"precision.fp8_amax_history={pc.fp8_amax_history}: must be >= 1")
+    problems.extend(fp8_exclude_problems(cfg))
     head_fp8 = pc.matmul != "bf16" and not any(fnmatch.fnmatchcase("lm_head", p) for p in fp8_exclude_patterns(pc))
     if head_fp8 and pc.matmul == "fp8_delayed":
         problems.append(f"precision.fp8_exclude={pc.fp8_exclude!r} lets lm_head run fp8_delayed, but the head matmul "
@@ -264,6 +265,22 @@ def precision_problems(cfg: Config) -> list[str]:
         problems.append(f"precision.fp8_exclude={pc.fp8_exclude!r} lets lm_head run {pc.matmul}, but model.loss=fused "
                         f"computes the head inside its kernel in the compute dtype; keep lm_head in "
                         f"precision.fp8_exclude or use model.loss=reference")
+    return problems
+
+
+def fp8_exclude_problems(cfg: Config) -> list[str]:
+    """precision.fp8_exclude against the matmul sites: every pattern must match one (a typo would leave its
+    site in fp8 unnoticed), and under an fp8 recipe an MoE model keeps its expert sites plain."""
+    pc = cfg.precision
+    patterns = fp8_exclude_patterns(pc)
+    plain = lambda site: any(fnmatch.fnmatchcase(site, p) for p in patterns)  # noqa: E731
+    problems = [f"precision.fp8_exclude: pattern {p!r} matches no matmul site; the sites are {', '.join(MATMUL_SITES)}"
+                for p in patterns if not any(fnmatch.fnmatchcase(s, p) for s in MATMUL_SITES)]
+    experts = [s for s in MATMUL_SITES if s.startswith("moe.") and not plain(s)]
+    if pc.matmul != "bf16" and cfg.moe.enabled and experts:
+        problems.append(f"precision.fp8_exclude={pc.fp8_exclude!r} lets {', '.join(experts)} run {pc.matmul}, but "
+                        f"the experts' grouped GEMMs have no fp8 recipe yet (they would run in the compute dtype); "
+                        f"add moe.* to precision.fp8_exclude")
     return problems
 
 
@@ -301,7 +318,7 @@ def pipeline_problems(cfg: Config, pp: int) -> list[str]:
 
 
 def collective_matmul_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
-    """model.tp_overlap=collective_matmul (parallel/collective_matmul.py): where its ring applies."""
+    """model.tp_overlap=collective_matmul (parallel/tensor.py): where its ring applies."""
     fix = "or use model.tp_overlap=none"
     problems = []
     if not cfg.mesh.sequence_parallel:

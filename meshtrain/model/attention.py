@@ -15,7 +15,7 @@ dtype. Query t sees key s when both are in the same segment and position[s] <= p
              documents are masked or the sequence is split over cp/sp; reference elsewhere
 
 With the sequence split over cp or sp (mesh.cp, mesh.sp > 1) attention runs through
-parallel/context.py (Ulysses, ring), with the jnp block (reference) or the Pallas kernels (pallas).
+parallel/sequence/ (Ulysses, ring), with the jnp block (reference) or the Pallas kernels (pallas).
 
 cudnn and pallas read the causal mask from the index, which equals the position mask whenever the
 sequence is in its natural order: always, outside context parallelism (parallel/ handles that).
@@ -27,11 +27,10 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from meshtrain.config import ConfigError
-from meshtrain.parallel import context
+from meshtrain.parallel.sequence import context
 from meshtrain.sharding import ShardingRules
 
 IMPLEMENTATIONS = ("auto", "reference", "cudnn", "pallas")
-SEGMENT_AWARE = ("reference", "pallas")  # implementations that can mask documents
 
 
 def resolve(impl: str, dtype: jnp.dtype, document_mask: bool = False, pipelined: bool = False,

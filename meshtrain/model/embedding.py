@@ -36,10 +36,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshtrain.config import ModelConfig
-from meshtrain.sharding import ShardingRules, entry_axes, spec_axes
+from meshtrain.sharding import TOKENS, ShardingRules, entry_axes, spec_axes
 
 EMBEDDING_GRADS = get_args(get_type_hints(ModelConfig)["embedding_grad"])  # the config field's choices
-TOKEN_AXES = ("batch", "act_res_seq")  # how the residual stream lays out its tokens (model/transformer.py)
 
 
 def embedding_lookup(table_vd: jax.Array, tokens_bt: jax.Array, *, compute_dtype: jnp.dtype, grad: str,
@@ -115,7 +114,7 @@ def _per_shard_sorted_sums(tokens_bt: jax.Array, g_btd: jax.Array, vocab: int,
     def by_shard(x_bt: jax.Array) -> jax.Array:  # [B, T, ...] -> [Gb, Gt, B/Gb * T/Gt, ...], no data moved
         rest = x_bt.shape[2:]
         x = x_bt.reshape(gb, b // gb, gt, t // gt, *rest).swapaxes(1, 2).reshape(gb, gt, -1, *rest)
-        names = [axis if n > 1 else None for axis, n in zip(TOKEN_AXES, (gb, gt))]
+        names = [axis if n > 1 else None for axis, n in zip(TOKENS, (gb, gt))]
         return rules.constrain(x, (*names, *(None,) * (x.ndim - 2)))
 
     local = jax.vmap(jax.vmap(partial(sorted_segment_sum, vocab=vocab)))
@@ -141,7 +140,7 @@ def _reduce_over_token_shards(partials_ggvd: jax.Array, rules: ShardingRules) ->
         # own there would wait for devices of the other stages, which never reach it.
         return dtable_vd
     embed_axes = set(spec_axes(rules.spec(("embed",))))
-    axes = tuple(a for a in spec_axes(rules.spec(TOKEN_AXES)) if a in embed_axes and rules.mesh.shape[a] > 1)
+    axes = tuple(a for a in spec_axes(rules.spec(TOKENS)) if a in embed_axes and rules.mesh.shape[a] > 1)
     if not axes or dtable_vd.shape[0] % math.prod(rules.mesh.shape[a] for a in axes):
         return dtable_vd  # D is not split over the token shards, or V does not split evenly
     return jax.lax.with_sharding_constraint(dtable_vd, NamedSharding(rules.mesh, P(axes, None)))
@@ -152,7 +151,7 @@ def token_shards(rules: ShardingRules | None, b: int, t: int) -> tuple[int, int]
     if rules is None:
         return 1, 1
     pieces = []
-    for size, entry in zip((b, t), rules.spec(TOKEN_AXES)):
+    for size, entry in zip((b, t), rules.spec(TOKENS)):
         n = math.prod(rules.mesh.shape[a] for a in entry_axes(entry))
         pieces.append(n if size % n == 0 else 1)
     return pieces[0], pieces[1]

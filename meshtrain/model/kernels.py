@@ -9,12 +9,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from meshtrain.parallel.shard_local import shard_local
-from meshtrain.sharding import ShardingRules
-
-Q = ("batch", "act_seq", "act_heads", None)
-KV = ("batch", "act_seq", "act_kv_heads", None)
-SEQ = ("batch", "act_seq")
+from meshtrain.parallel.shard_local import shard_local, tp_shard_kv_head
+from meshtrain.sharding import HEAD_IN, KV, Q, RESIDUAL, SEQ, ShardingRules
 
 
 def _interpret() -> bool:
@@ -32,11 +28,7 @@ def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, se
 
     def local(q, k, v, *seg):
         if not kv_split and tp > 1:
-            # This shard's h/tp query heads all read one kv head, (first head) // (h / kv): validate()
-            # requires tp % n_kv_heads == 0 here, so a shard never straddles two groups.
-            first = jax.lax.axis_index("tp") * (h // tp)
-            k = jax.lax.dynamic_slice_in_dim(k, first // (h // kv), 1, axis=2)
-            v = jax.lax.dynamic_slice_in_dim(v, first // (h // kv), 1, axis=2)
+            k, v = tp_shard_kv_head(k, h, tp), tp_shard_kv_head(v, h, tp)
         return pk.flash_attention(q, k, v, causal=True, segment_ids=seg[0] if seg else None, interpret=interpret,
                                   backend=backend)
 
@@ -48,12 +40,11 @@ def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, se
 def pallas_rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float, out_dtype: jnp.dtype,
                     rules: ShardingRules) -> jax.Array:
     interpret = _interpret()
-    act = ("batch", "act_res_seq", "act_embed")
 
     def local(x, w):
         return pk.rms_norm(x.astype(out_dtype), w, eps=eps, interpret=interpret)
 
-    return shard_local(local, rules, (act, (None,)), act)(x_btd, scale_d)
+    return shard_local(local, rules, (RESIDUAL, (None,)), RESIDUAL)(x_btd, scale_d)
 
 
 def fused_cross_entropy(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, vocab_size: int,
@@ -64,7 +55,6 @@ def fused_cross_entropy(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Arr
     (one [D, V] copy per device) and padded vocabulary columns are cut off.
     """
     interpret = _interpret()
-    tok = ("batch", "act_seq")
 
     def local(h, w, labels):
         b, t, d = h.shape
@@ -72,5 +62,4 @@ def fused_cross_entropy(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Arr
                                          labels.reshape(b * t), ignore_index=-100, interpret=interpret)
         return loss_n.reshape(b, t)
 
-    return shard_local(local, rules, (("batch", "act_seq", "act_embed"), (None, None), tok), tok)(
-        h_btd, head_dv, labels_bt)
+    return shard_local(local, rules, (HEAD_IN, (None, None), SEQ), SEQ)(h_btd, head_dv, labels_bt)

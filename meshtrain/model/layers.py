@@ -18,9 +18,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.config import ModelConfig
 from meshtrain import fp8
-from meshtrain.parallel import collective_matmul
+from meshtrain.parallel import tensor
 from meshtrain.precision import Precision
-from meshtrain.sharding import LogicalNames, ShardingRules
+from meshtrain.sharding import HIDDEN, LogicalNames, ShardingRules
 
 FP8_META = "fp8_meta"  # variable collection of the fp8_delayed amax histories (train state, not params)
 
@@ -47,8 +47,8 @@ def site_matmul(module: nn.Module, site: str, subscripts: str, x: jax.Array, w: 
 
 
 def ring_tp(module: nn.Module) -> bool:
-    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/collective_matmul.py)?"""
-    return collective_matmul.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
+    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/tensor.py)?"""
+    return tensor.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
 
 
 def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
@@ -60,7 +60,7 @@ def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
 
     def matmul(x_chunk, ws_local):
         return [policy.einsum(subscripts, x_chunk, w, site=site) for (site, subscripts, *_), w in zip(sites, ws_local)]
-    return collective_matmul.gather_matmuls(policy.cast(x_btd), ws, [s[3] for s in sites], [s[4] for s in sites],
+    return tensor.gather_matmuls(policy.cast(x_btd), ws, [s[3] for s in sites], [s[4] for s in sites],
                                             matmul, module.rules)
 
 
@@ -68,7 +68,7 @@ def scattered_site_matmul(module: nn.Module, site: str, subscripts: str, h: jax.
                           h_names: LogicalNames, w_names: LogicalNames) -> jax.Array:
     """A row-parallel matmul whose tp partial sums land on the sequence-sharded residual stream."""
     policy: Precision = module.policy
-    return collective_matmul.matmul_scatter(policy.cast(h), policy.cast(w), h_names, w_names,
+    return tensor.matmul_scatter(policy.cast(h), policy.cast(w), h_names, w_names,
                                             lambda h_chunk, w_local: policy.einsum(subscripts, h_chunk, w_local,
                                                                                    site=site), module.rules)
 
@@ -161,19 +161,18 @@ class SwiGLU(nn.Module):
         w_up_df = param(self, "w_up", init, (c.d_model, c.d_ff), ("embed", "mlp"), p.param_dtype)
         w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("mlp", "embed"),
                           p.param_dtype)
-        hidden_names = ("batch", "act_seq", "act_mlp")
         ring = ring_tp(self)
         if ring:
             gate_btf, up_btf = gathered_site_matmuls(self, x_btd, [
-                ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), hidden_names),
-                ("mlp.w_up", "btd,df->btf", w_up_df, ("embed", "mlp"), hidden_names)])
+                ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), HIDDEN),
+                ("mlp.w_up", "btd,df->btf", w_up_df, ("embed", "mlp"), HIDDEN)])
         else:
             gate_btf = site_matmul(self, "mlp.w_gate", "btd,df->btf", x_btd, w_gate_df)
             up_btf = site_matmul(self, "mlp.w_up", "btd,df->btf", x_btd, w_up_df)
-        hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, hidden_names)
+        hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, HIDDEN)
         hidden_btf = checkpoint_name(hidden_btf, "mlp_hidden")
         if ring:
-            out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, hidden_names,
+            out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, HIDDEN,
                                             ("mlp", "embed"))
         else:
             out_btd = site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd)

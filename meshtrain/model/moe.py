@@ -2,7 +2,7 @@
 (if any) see every token. Shapes: B batch, T sequence, D model, X experts, K top-k, F expert ffn.
 
     x [B, T, D] ─┬─ router (fp32) ─> logits [B, T, X] ─> top-k: experts [B, T, K], weights [B, T, K]
-                 ├─ routed experts (parallel/expert_dispatch.py: all-to-all over ep, grouped matmuls)
+                 ├─ routed experts (parallel/expert.py: all-to-all over ep, grouped matmuls)
                  └─ shared experts (a dense SwiGLU n_shared·F wide)          y = routed + shared
 
 Routers: `softmax` weights are the top-k softmax probabilities (Switch, OLMoE: not renormalized);
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.layers import SwiGLU, param, scaled_normal
-from meshtrain.parallel.expert_dispatch import moe_ffn, resolve_exchange, resolve_grouped_matmul
+from meshtrain.parallel.expert import W_IN, W_OUT, moe_ffn, resolve_exchange, resolve_grouped_matmul
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules
 
@@ -79,10 +79,9 @@ class MoE(nn.Module):
         init = scaled_normal(c.init_std)
         # The router is small and every token reads all of it: replicated over ep.
         w_router_dx = param(self, "router", init, (d, x), ("embed", None), p.param_dtype)
-        w_gate_xdf = param(self, "w_gate", init, (x, d, f), ("experts", "embed", "mlp"), p.param_dtype)
-        w_up_xdf = param(self, "w_up", init, (x, d, f), ("experts", "embed", "mlp"), p.param_dtype)
-        w_down_xfd = param(self, "w_down", scaled_normal(self.out_std), (x, f, d), ("experts", "mlp", "embed"),
-                           p.param_dtype)
+        w_gate_xdf = param(self, "w_gate", init, (x, d, f), W_IN, p.param_dtype)
+        w_up_xdf = param(self, "w_up", init, (x, d, f), W_IN, p.param_dtype)
+        w_down_xfd = param(self, "w_down", scaled_normal(self.out_std), (x, f, d), W_OUT, p.param_dtype)
 
         logits_btx, probs_btx, experts_btk, weights_btk = route(x_btd, w_router_dx, e)
         y_btd, kept_btk = moe_ffn(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd, rules=r,

@@ -34,10 +34,7 @@ from meshtrain.model.layers import (FP8_META, Llama3RopeScaling, RMSNorm, SwiGLU
 from meshtrain.model.moe import LOSSES, METRICS, MoE
 from meshtrain.model.remat import remat_policy
 from meshtrain.precision import Precision
-from meshtrain.sharding import ShardingRules
-
-RESIDUAL = ("batch", "act_res_seq", "act_embed")  # the residual stream between blocks
-TOKENS = ("batch", "act_res_seq")  # per-token side inputs laid out like the residual stream
+from meshtrain.sharding import KV, Q, RESIDUAL, TOKENS, ShardingRules
 
 
 @flax.struct.dataclass
@@ -75,19 +72,18 @@ class Attention(nn.Module):
         wo_hed = param(self, "wo", scaled_normal(self.out_std), (h, e, d), ("heads", "head_dim", "embed"),
                        p.param_dtype)
 
-        q_names, kv_names = ("batch", "act_seq", "act_heads", None), ("batch", "act_seq", "act_kv_heads", None)
         ring = ring_tp(self)
         if ring:  # one ring over tp brings x's sequence chunks to all three projections
             q_bthe, k_btke, v_btke = gathered_site_matmuls(self, x_btd, [
-                ("attn.wq", "btd,dhe->bthe", wq_dhe, ("embed", "heads", "head_dim"), q_names),
-                ("attn.wk", "btd,dke->btke", wk_dke, ("embed", "kv_heads", "head_dim"), kv_names),
-                ("attn.wv", "btd,dke->btke", wv_dke, ("embed", "kv_heads", "head_dim"), kv_names)])
+                ("attn.wq", "btd,dhe->bthe", wq_dhe, ("embed", "heads", "head_dim"), Q),
+                ("attn.wk", "btd,dke->btke", wk_dke, ("embed", "kv_heads", "head_dim"), KV),
+                ("attn.wv", "btd,dke->btke", wv_dke, ("embed", "kv_heads", "head_dim"), KV)])
         else:
             q_bthe = site_matmul(self, "attn.wq", "btd,dhe->bthe", x_btd, wq_dhe)
             k_btke = site_matmul(self, "attn.wk", "btd,dke->btke", x_btd, wk_dke)
             v_btke = site_matmul(self, "attn.wv", "btd,dke->btke", x_btd, wv_dke)
-        q_bthe = r.constrain(q_bthe, q_names)
-        k_btke, v_btke = r.constrain(k_btke, kv_names), r.constrain(v_btke, kv_names)
+        q_bthe = r.constrain(q_bthe, Q)
+        k_btke, v_btke = r.constrain(k_btke, KV), r.constrain(v_btke, KV)
         q_bthe = checkpoint_name(apply_rope(q_bthe, info.cos_btf, info.sin_btf), "qkv")
         k_btke = checkpoint_name(apply_rope(k_btke, info.cos_btf, info.sin_btf), "qkv")
         v_btke = checkpoint_name(v_btke, "qkv")
@@ -98,9 +94,9 @@ class Attention(nn.Module):
             o_bthe = attention(q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, impl=c.attention,
                                document_mask=self.document_mask, rules=r, cp_impl=c.cp_impl,
                                cp_layout=c.cp_layout, kernel=c.attention_kernel)
-        o_bthe = checkpoint_name(r.constrain(o_bthe, q_names), "attn_out")
+        o_bthe = checkpoint_name(r.constrain(o_bthe, Q), "attn_out")
         if ring:
-            out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, q_names,
+            out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, Q,
                                             ("heads", "head_dim", "embed"))
         else:
             out_btd = site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed)

@@ -4,8 +4,8 @@ The residual stream and q/k/v arrive sequence-sharded over (cp, sp), cp major: c
 T/cp tokens (two zig-zag chunks), split once more over sp. One shard_map region does the rest:
 
     q, k, v [B, T/(cp*sp), H, E]  (heads over tp)
-      ── Ulysses all-to-all over sp ──>  [B, T/cp, H/sp, E]        parallel/ulysses.py (sp > 1)
-      ── ring over cp: K/V blocks hop ─> o [B, T/cp, H/sp, E]      parallel/ring_attention.py (cp > 1)
+      ── Ulysses all-to-all over sp ──>  [B, T/cp, H/sp, E]        sequence/ulysses.py (sp > 1)
+      ── ring over cp: K/V blocks hop ─> o [B, T/cp, H/sp, E]      sequence/ring.py (cp > 1)
       ── Ulysses all-to-all back ──────> o [B, T/(cp*sp), H, E]
 
 Which axes the region takes over. With the jnp block it is manual over cp and sp only, the axes it
@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import jax
 
-from meshtrain.parallel import ulysses
-from meshtrain.parallel.attention_block import BlockAttention
-from meshtrain.parallel.ring_attention import Ring, allgather_attention, ring_attention
-from meshtrain.sharding import ShardingRules, only_axes
+from meshtrain.parallel.sequence import ulysses
+from meshtrain.parallel.sequence.block import BlockAttention
+from meshtrain.parallel.sequence.ring import Ring, allgather_attention, ring_attention
+from meshtrain.parallel.shard_local import tp_shard_kv_head
+from meshtrain.sharding import KV, Q, SEQ, ShardingRules, only_axes
 
-Q = ("batch", "act_seq", "act_heads", None)
-KV = ("batch", "act_seq", "act_kv_heads", None)
-SEQ = ("batch", "act_seq")
 CP_IMPLS = ("ring", "allgather")
 
 
@@ -53,11 +51,8 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
     n_heads, n_kv = q_bthe.shape[2], k_bske.shape[2]
 
     def local(q, k, v, pos, seg):
-        if kernel and tp > 1 and n_kv % tp:
-            # Replicated kv heads: keep the one this tp shard's query heads read (validate() makes
-            # tp a multiple of n_kv_heads, so a shard never straddles two groups).
-            first = jax.lax.axis_index("tp") * (n_heads // tp)
-            k, v = (jax.lax.dynamic_slice_in_dim(x, first // (n_heads // n_kv), 1, axis=2) for x in (k, v))
+        if kernel and tp > 1 and n_kv % tp:  # replicated kv heads: keep the one this tp shard reads
+            k, v = tp_shard_kv_head(k, n_heads, tp), tp_shard_kv_head(v, n_heads, tp)
         if sp > 1:
             ways = sp * head_groups
             k, v = ulysses.kv_for_heads(k, ways), ulysses.kv_for_heads(v, ways)

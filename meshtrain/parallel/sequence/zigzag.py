@@ -31,10 +31,3 @@ def sequence_order(seq_len: int, cp: int, layout: str = "zigzag") -> np.ndarray:
     chunks = np.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
     ranks = [np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)]
     return np.concatenate(ranks)
-
-
-def chunk_ids(cp: int, layout: str = "zigzag") -> list[tuple[int, ...]]:
-    """For each cp rank, the chunk indices it holds in order (chunks of seq_len / (2 cp) tokens)."""
-    if layout == "contiguous" or cp == 1:
-        return [(2 * i, 2 * i + 1) for i in range(cp)]
-    return [(i, 2 * cp - 1 - i) for i in range(cp)]

@@ -1,7 +1,7 @@
 """Context-parallel attention over `cp`: ring (K/V blocks travel) or all-gather (Llama 3 style).
 
-Runs inside a shard_map that is manual over cp (parallel/context.py builds it). Each of n = cp ranks
-holds T/n tokens as two chunks of c = T/2n (parallel/zigzag.py): zig-zag rank r holds chunks r and
+Runs inside a shard_map that is manual over cp (parallel/sequence/context.py builds it). Each of n = cp ranks
+holds T/n tokens as two chunks of c = T/2n (sequence/zigzag.py): zig-zag rank r holds chunks r and
 2n-1-r, contiguous rank r chunks 2r and 2r+1. Its K/V (with positions and segment ids) go round
 the ring, one hop to rank r+1 per step; the transfer for step j+1 is issued before step j's block is
 computed, so it can hide behind it. n = 4, forward, zig-zag (q chunks | kv chunks of the source):
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from meshtrain.parallel.attention_block import BlockAttention, merge
+from meshtrain.parallel.sequence.block import BlockAttention, merge
 
 LAYOUTS = ("zigzag", "contiguous")
 

@@ -27,17 +27,16 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from meshtrain.sharding import LogicalNames, ShardingRules, only_axes, spec_axes
+from meshtrain.sharding import RESIDUAL, LogicalNames, ShardingRules, entry_axes, only_axes
 
 AXIS = "tp"
-RESIDUAL_SEQ = "act_res_seq"  # the residual stream's sequence axis: includes tp under sequence parallelism
 
 
 def active(tp_overlap: str, rules: ShardingRules) -> bool:
     """collective_matmul asked for, and the residual stream really split over tp (SP, tp > 1)."""
     if tp_overlap != "collective_matmul" or rules.mesh.shape[AXIS] == 1:
         return False
-    return AXIS in spec_axes(rules.spec((RESIDUAL_SEQ,)))
+    return AXIS in entry_axes(rules.spec(RESIDUAL)[1])  # the sequence entry: tp joins it under SP
 
 
 def gather_matmuls(x_btd: jax.Array, ws: Sequence[jax.Array], w_names: Sequence[LogicalNames],
@@ -64,7 +63,7 @@ def gather_matmuls(x_btd: jax.Array, ws: Sequence[jax.Array], w_names: Sequence[
                 x_btd = _from_next(x_btd, n)
         return outs
 
-    x_spec = only_axes(rules.spec(("batch", RESIDUAL_SEQ, None)), {AXIS})
+    x_spec = only_axes(rules.spec(RESIDUAL), {AXIS})
     in_specs = (x_spec, *(only_axes(rules.spec(names), {AXIS}) for names in w_names))
     out_specs = [only_axes(rules.spec(names), {AXIS}) for names in out_names]
     return jax.shard_map(local, mesh=rules.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
@@ -88,7 +87,7 @@ def matmul_scatter(h: jax.Array, w: jax.Array, h_names: LogicalNames, w_names: L
         return acc
 
     in_specs = (only_axes(rules.spec(h_names), {AXIS}), only_axes(rules.spec(w_names), {AXIS}))
-    out_spec = only_axes(rules.spec(("batch", RESIDUAL_SEQ, None)), {AXIS})
+    out_spec = only_axes(rules.spec(RESIDUAL), {AXIS})
     return jax.shard_map(local, mesh=rules.mesh, in_specs=in_specs, out_specs=out_spec, axis_names={AXIS},
                          check_vma=False)(h, w)
 

@@ -11,7 +11,7 @@ around it one all-to-all trades tokens for heads and a second one trades back (s
 Each all-to-all moves (sp-1)/sp of the local activation; nothing is replicated. With tp the heads
 are split over tp first and each tp shard's heads over sp (`groups` = tp when the head axis is still
 sharded over tp by the compiler, so the split never straddles a tp shard). Runs inside a shard_map
-that is manual over sp (parallel/context.py); positions and segment ids are all-gathered instead.
+that is manual over sp (sequence/context.py); positions and segment ids are all-gathered instead.
 When there are fewer kv heads than tp*sp they are repeated first so that every rank holds the one
 its query heads read (the Megatron rule for tp, extended to sp).
 """

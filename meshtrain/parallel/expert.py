@@ -46,9 +46,12 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from meshtrain.config import ConfigError
 from meshtrain.precision import Precision
-from meshtrain.sharding import ShardingRules
+from meshtrain.sharding import ShardingRules, only_axes
 
-EXCHANGES = ("ragged", "padded")
+# The expert weights' logical names (model/moe.py declares its parameters with them): whole experts
+# over ep, each expert's hidden width over tp as in a dense FFN.
+W_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, D, F]
+W_OUT = ("experts", "mlp", "embed")  # w_down [X, F, D]
 
 
 def resolve_exchange(name: str) -> str:
@@ -84,7 +87,8 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
     axes = token_axes(rules)
     ep = rules.mesh.shape["ep"]
     n_experts = w_gate_xdf.shape[0]
-    tokens, weights = P(axes), P("ep")  # partial specs: only the manual axes may be named
+    # Partial specs, only the manual axes may be named: tokens as the batch, expert weights by expert alone.
+    tokens, weights = rules.spec(("batch",)), only_axes(rules.spec(("experts",)), set(axes))
     out_dtype = x_btd.dtype
     if jax.default_backend() == "cpu" and not policy.is_fp32:
         # XLA:CPU (jax 0.10) aborts compiling the bf16 version of this region on more than one device
@@ -92,7 +96,7 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
         policy, x_btd = Precision(policy.param_dtype, jnp.float32), x_btd.astype(jnp.float32)
     local = partial(_local_moe, ep=ep, n_experts=n_experts, policy=policy, capacity_factor=capacity_factor,
                     exchange=exchange if ep > 1 else "local", gemm=grouped_matmul,
-                    tp_manual=grouped_matmul == "pallas" and rules.mesh.shape["tp"] > 1)
+                    tp_specs=_tp_specs(rules) if grouped_matmul == "pallas" and rules.mesh.shape["tp"] > 1 else None)
     # check_vma off for the kernel: a pallas_call's outputs carry no replication type for the checker.
     region = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
                            in_specs=(tokens, tokens, tokens, weights, weights, weights),
@@ -102,12 +106,12 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
 
 
 def _local_moe(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd, *, ep, n_experts, policy,
-               capacity_factor, exchange, gemm, tp_manual):
+               capacity_factor, exchange, gemm, tp_specs):
     b, t, d = x_btd.shape
     k = experts_btk.shape[-1]
     x_nd, e_nk = x_btd.reshape(b * t, d), experts_btk.reshape(b * t, k)
-    ffn = partial(_swiglu_tp if tp_manual else _swiglu, w_gate_xdf=w_gate_xdf, w_up_xdf=w_up_xdf,
-                  w_down_xfd=w_down_xfd, policy=policy, gemm=gemm)
+    args = dict(w_gate_xdf=w_gate_xdf, w_up_xdf=w_up_xdf, w_down_xfd=w_down_xfd, policy=policy, gemm=gemm)
+    ffn = partial(_swiglu, **args) if tp_specs is None else partial(_swiglu_tp, w_specs=tp_specs, **args)
     if capacity_factor > 0:
         out_nkd, kept_nk = _capacity(x_nd, e_nk, ffn, ep=ep, n_experts=n_experts, capacity_factor=capacity_factor)
     else:
@@ -118,23 +122,21 @@ def _local_moe(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd
     return y_nd.astype(x_btd.dtype).reshape(b, t, d), kept_nk.reshape(b, t, k)
 
 
-def _ragged_dot(x_rd, w_xdf, group_sizes_x, policy: Precision, gemm: str):
-    x_rd, w_xdf = policy.cast(x_rd), policy.cast(w_xdf)
-    if gemm == "pallas":  # fp32 operands run at full precision in the kernel (its dots ask for HIGHEST)
-        return pk.gmm(x_rd, w_xdf, group_sizes_x, preferred_element_type=policy.compute_dtype)
-    return jax.lax.ragged_dot(x_rd, w_xdf, group_sizes_x,
-                              precision=jax.lax.Precision.HIGHEST if policy.is_fp32 else None,
-                              preferred_element_type=policy.compute_dtype)
+def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy: Precision, gemm: str):
+    """Rows grouped by local expert (group_sizes_x rows each, zero rows after them) -> expert outputs.
+    Each GEMM is a named site of the precision policy (config.MATMUL_SITES)."""
+    dot = partial(policy.ragged_dot, group_sizes_g=group_sizes_x, kernel=pk.gmm if gemm == "pallas" else None)
+    gate_rf = dot(rows_rd, w_gate_xdf, site="moe.w_gate")
+    up_rf = dot(rows_rd, w_up_xdf, site="moe.w_up")
+    return dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, site="moe.w_down")
 
 
-def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy, gemm):
-    """Rows grouped by local expert (group_sizes_x rows each, zero rows after them) -> expert outputs."""
-    gate_rf = _ragged_dot(rows_rd, w_gate_xdf, group_sizes_x, policy, gemm)
-    up_rf = _ragged_dot(rows_rd, w_up_xdf, group_sizes_x, policy, gemm)
-    return _ragged_dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, group_sizes_x, policy, gemm)
+def _tp_specs(rules: ShardingRules) -> tuple:
+    """The expert weights split over tp alone (gate, up, down), for _swiglu_tp's tp-manual region."""
+    return tuple(only_axes(rules.spec(names), {"tp"}) for names in (W_IN, W_IN, W_OUT))
 
 
-def _swiglu_tp(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, **kw):
+def _swiglu_tp(rows_rd, group_sizes_x, *, w_specs, w_gate_xdf, w_up_xdf, w_down_xfd, **kw):
     """_swiglu for the kernel under tp > 1. A pallas_call has no partitioning rule (GSPMD would gather
     every expert's full width onto each tp rank), so this goes manual over tp as well, Megatron style:
     rank j runs columns j·F/tp.. of gate/up and the same rows of down on all its rows; the partial
@@ -143,10 +145,9 @@ def _swiglu_tp(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, **kw
         out_rd = _swiglu(rows_rd, sizes_x, w_gate_xdf=wg, w_up_xdf=wu, w_down_xfd=wd, **kw)
         return jax.lax.psum(out_rd, "tp")
 
-    col, row = P(None, None, "tp"), P(None, "tp", None)
     # The context's mesh: inside the token-manual region it is the one with those axes already manual.
     return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
-                         in_specs=(P(), P(), col, col, row), out_specs=P(),
+                         in_specs=(P(), P(), *w_specs), out_specs=P(),
                          check_vma=False)(rows_rd, group_sizes_x, w_gate_xdf, w_up_xdf, w_down_xfd)
 
 
