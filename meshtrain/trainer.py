@@ -22,7 +22,7 @@ from meshtrain.hf.config import hf_dir
 from meshtrain.metrics import (MetricsLog, Throughput, active_params, count_params, flops_per_token, memory_in_use,
                                peak_flops)
 from meshtrain.prefetch import batch_feed
-from meshtrain.profiler import StepTrace
+from meshtrain.profile.window import StepTrace
 from meshtrain.train_step import (Setup, TrainState, abstract_params, build_setup, init_state, make_batches,
                                   make_train_step, state_from_params)
 

@@ -70,8 +70,8 @@ def one_run(a) -> dict:
     from meshtrain.gemm_report import gemm_report
     from meshtrain.mesh import build_mesh
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
-    from meshtrain.profile_table import format_table, profile_report
-    from meshtrain.profile_trace import STEP_MARKER
+    from meshtrain.profile.table import format_table, profile_report
+    from meshtrain.profile.trace import STEP_MARKER
     from meshtrain.train_step import build_setup, init_state, make_batches, make_train_step
 
     path, overrides = SHAPES[a.shape]
@@ -232,7 +232,7 @@ def main() -> int:
     ap.add_argument("--no-gemm", action="store_true", help="skip the single-GEMM micro-benchmark")
     ap.add_argument("--timeout", type=int, default=190, help="seconds per (shape, recipe) process")
     ap.add_argument("--profile", metavar="START:END", help="trace these steps of every run (kept out of the "
-                    "median) and add the time-by-category table (meshtrain.profile_table) to its record")
+                    "median) and add the time-by-category table (meshtrain.profile) to its record")
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. "
                     "precision.fp8_exclude=embedding,*router (lm_head in fp8)")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)
