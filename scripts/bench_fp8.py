@@ -20,7 +20,7 @@ its own process, so peak memory is its own and an OOM loses one row.
 Timing: compile, 4 warm-up steps, then --steps steps dispatched back to back as the trainer runs them, in
 blocks of --block steps each timed from its first dispatch to its last result; the step time is the
 median over blocks (DESIGN.md §8). The loss is the one after --steps + 4 steps on the same data for every
-recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (meshtrain/gemm_report.py): fp8
+recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (meshtrain/planning/hlo.py's gemm_report): fp8
 GEMMs, how many are K-major, bf16 GEMMs left.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def one_run(a) -> dict:
     phase("backend up")
 
     from meshtrain.config import load_config, profile_range, validate, with_mesh
-    from meshtrain.gemm_report import gemm_report
+    from meshtrain.planning.hlo import gemm_report
     from meshtrain.mesh import build_mesh
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
     from meshtrain.profile.table import format_table, profile_report
@@ -157,7 +157,7 @@ def gemm_bench(a) -> list[dict]:
     import jax.numpy as jnp
 
     from meshtrain import fp8
-    from meshtrain.gemm_report import gemm_report
+    from meshtrain.planning.hlo import gemm_report
     from meshtrain.precision import Precision
 
     n = 256 if a.tiny else 8192
