@@ -20,8 +20,8 @@ its own process, so peak memory is its own and an OOM loses one row.
 Timing: compile, 4 warm-up steps, then --steps steps dispatched back to back as the trainer runs them, in
 blocks of --block steps each timed from its first dispatch to its last result; the step time is the
 median over blocks (DESIGN.md §8). The loss is the one after --steps + 4 steps on the same data for every
-recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (meshtrain/planning/hlo.py's gemm_report): fp8
-GEMMs, how many are K-major, bf16 GEMMs left.
+recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (gemm_report in
+meshtrain/planning/hlo.py): fp8 GEMMs, how many are K-major, bf16 GEMMs left.
 """
 from __future__ import annotations
 
