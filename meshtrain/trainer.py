@@ -23,7 +23,7 @@ from meshtrain.evaluation import evaluate, make_eval_step
 from meshtrain.metrics import (MetricsLog, Throughput, active_params, count_params, flops_per_token, memory_in_use,
                                peak_flops)
 from meshtrain.prefetch import batch_feed
-from meshtrain.profiler import StepTrace
+from meshtrain.profile.window import StepTrace
 from meshtrain.resume import keep_saved_schedule, restore_or_init
 from meshtrain.step.state import Setup, TrainState, build_setup, make_batches
 from meshtrain.step.train_step import make_train_step

@@ -20,8 +20,8 @@ its own process, so peak memory is its own and an OOM loses one row.
 Timing: compile, 4 warm-up steps, then --steps steps dispatched back to back as the trainer runs them, in
 blocks of --block steps each timed from its first dispatch to its last result; the step time is the
 median over blocks (DESIGN.md §8). The loss is the one after --steps + 4 steps on the same data for every
-recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (meshtrain/gemm_report.py): fp8
-GEMMs, how many are K-major, bf16 GEMMs left.
+recipe (synthetic, or --data). GEMMs: counts by kind in the optimized HLO (gemm_report in
+meshtrain/planning/hlo.py): fp8 GEMMs, how many are K-major, bf16 GEMMs left.
 """
 from __future__ import annotations
 
@@ -67,11 +67,11 @@ def one_run(a) -> dict:
     phase("backend up")
 
     from meshtrain.config import load_config, profile_range, validate, with_mesh
-    from meshtrain.gemm_report import gemm_report
+    from meshtrain.planning.hlo import gemm_report
     from meshtrain.mesh import build_mesh
     from meshtrain.metrics import count_params, flops_per_token, memory_in_use, peak_flops
-    from meshtrain.profile_table import format_table, profile_report
-    from meshtrain.profile_trace import STEP_MARKER
+    from meshtrain.profile.table import format_table, profile_report
+    from meshtrain.profile.trace import STEP_MARKER
     from meshtrain.step.state import build_setup, init_state, make_batches
     from meshtrain.step.train_step import make_train_step
 
@@ -158,7 +158,7 @@ def gemm_bench(a) -> list[dict]:
     import jax.numpy as jnp
 
     from meshtrain import fp8
-    from meshtrain.gemm_report import gemm_report
+    from meshtrain.planning.hlo import gemm_report
     from meshtrain.precision import Precision
 
     n = 256 if a.tiny else 8192
@@ -233,7 +233,7 @@ def main() -> int:
     ap.add_argument("--no-gemm", action="store_true", help="skip the single-GEMM micro-benchmark")
     ap.add_argument("--timeout", type=int, default=190, help="seconds per (shape, recipe) process")
     ap.add_argument("--profile", metavar="START:END", help="trace these steps of every run (kept out of the "
-                    "median) and add the time-by-category table (meshtrain.profile_table) to its record")
+                    "median) and add the time-by-category table (meshtrain.profile) to its record")
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. "
                     "precision.fp8_exclude=moe.* (lm_head in fp8)")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)

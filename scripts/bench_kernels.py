@@ -52,7 +52,7 @@ def bench(fn, input_sets, *, calls: int, batches: int) -> float:
 
 def kernel_times(fn, args, trace_dir: Path, calls: int = 5) -> list[dict]:
     """The kernels of `calls` traced calls of an already-warm fn: name and ms per call, longest first."""
-    from meshtrain.profile_table import profile_report  # the same trace reader as the training profiles
+    from meshtrain.profile.table import profile_report  # the same trace reader as the training profiles
     jax.profiler.start_trace(str(trace_dir))
     for _ in range(calls):
         out = fn(*args)

@@ -348,7 +348,7 @@ CUBLAS_F8 = ('%gemm = (bf16[4096,4096]{1,0}, s8[33554432]{0}) custom-call(f8e4m3
 
 def test_gemm_report_reads_kinds_and_k_major():
     """The HLO reader the GPU test and scripts/bench_fp8.py rely on, on the text forms XLA prints."""
-    from meshtrain.gemm_report import gemm_report
+    from meshtrain.planning.hlo import gemm_report
     k_major = gemm_report(CUBLAS_F8.replace("{L}", "{1,0}"))
     assert (k_major["fp8"], k_major["fp8_k_major"], k_major["kinds"]) == (1, 1, {"__cublas$lt$matmul$f8": 1})
     # The same GEMM with the weight stored column-major: its contracting dim 1 is not the minor one.
@@ -366,7 +366,7 @@ def test_gemm_report_reads_kinds_and_k_major():
 def test_gpu_program_runs_fp8_gemms_k_major(recipe):
     """The optimized GPU program runs the three GEMMs on fp8 operands (cuBLASLt fp8 calls or f8 dots), K-major,
     not fp8 values dequantized into bf16 GEMMs."""
-    from meshtrain.gemm_report import gemm_report
+    from meshtrain.planning.hlo import gemm_report
     fn, args = recipe_grad_fn(recipe, shape=(4, 1024, 2048), d_out=4096)
     report = gemm_report(fn.lower(*args).compile().as_text())
     assert report["fp8"] == 3, report

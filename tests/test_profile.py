@@ -1,4 +1,4 @@
-"""run.profile_steps writes a jax.profiler trace of its window; profile_table turns a trace into time
+"""run.profile_steps writes a jax.profiler trace of its window; meshtrain.profile turns a trace into time
 by category. The accounting is checked exactly on a hand-written GPU-shaped trace (two streams, a
 collective half under a GEMM), and end to end on a real CPU trace of a tiny run."""
 from __future__ import annotations
@@ -11,9 +11,10 @@ import yaml
 
 from helpers import run_cli
 from meshtrain.config import ConfigError, build_config, validate
-from meshtrain.profile_table import main, profile_report
-from meshtrain.profile_timeline import self_time_pieces
-from meshtrain.profile_trace import PROGRAM_FILE, Kernel, classify, program_scopes
+from meshtrain.profile.__main__ import main
+from meshtrain.profile.table import profile_report
+from meshtrain.profile.timeline import self_time_pieces
+from meshtrain.profile.trace import PROGRAM_FILE, Kernel, classify, program_scopes
 
 # ------------------------------------------------------------------------------------------- config
 

@@ -1,4 +1,4 @@
-"""Read a compiled (post-optimization) HLO module's text: instructions, loop trip counts, dot FLOPs.
+"""Read a compiled (post-optimization) HLO module's text: instructions, loop trip counts, dot FLOPs, GEMMs.
 
 The text is the one stable view of an XLA program that every backend prints. What the inspector
 needs from it:
@@ -11,6 +11,14 @@ needs from it:
 
 XLA's own cost analysis counts a `while` body once, so a scanned layer stack of L layers is
 undercounted L-fold; `loop_dot_flops_uncounted()` is the correction (see aot.py).
+
+`gemm_report()` counts the GEMMs a program runs by kind. XLA on NVIDIA GPUs lowers a dot to a cuBLAS(Lt)
+custom call (`__cublas$gemm`, `__cublas$lt$matmul`, `__cublas$lt$matmul$f8` for fp8) or to a Triton GEMM
+fusion; on the CPU it stays a `dot`. An fp8 GEMM is one whose two operands are f8 types; it runs at full
+rate on Hopper only when both operands contract on their minor-most (contiguous) dimension, "K-major" / TN.
+
+The parser also reads the unoptimized text (`jit(f).lower(...).as_text(dialect="hlo")`: names without
+`%`, computations without a signature) and bare instruction lines outside any computation.
 """
 from __future__ import annotations
 
@@ -24,8 +32,10 @@ DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8
 
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\((.*)\)\s*->\s*.*)?\{\s*$")
 _OP = re.compile(r"\s([a-z][a-z0-9\-]*)\((.*)$")
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_TYPE = re.compile(r"([a-z][a-z0-9]*)\[[0-9,]*\](?:\{([0-9,]*))?")  # dtype, layout (minor to major)
 
 
 @dataclass
@@ -95,6 +105,29 @@ def _split_top(text: str) -> tuple[str, str]:
     return text, ""
 
 
+def _pieces(text: str) -> list[str]:
+    """'a, (b, c) d' -> ['a', '(b, c) d']: a list split at its top-level commas."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    return [p for p in out + [text[start:].strip()] if p]
+
+
+def _operand_names(op: str, text: str) -> list[str]:
+    """`%a, f32[2]{0} %b` as the optimized text prints operands, or `a, b` as the unoptimized one does."""
+    if "%" in text:
+        return re.findall(r"%([\w.\-]+)", text)
+    if op in ("constant", "parameter"):  # their parentheses hold a value or an index
+        return []
+    return [t for p in _pieces(text) if _NAME.fullmatch(t := p.split()[-1])]
+
+
 def _split_shape(rest: str) -> tuple[str, str]:
     """'(f32[2], s32[]) all-reduce(...' -> shape text and the text from the op name on."""
     if rest.startswith("("):
@@ -105,6 +138,7 @@ def _split_shape(rest: str) -> tuple[str, str]:
 
 
 def parse(text: str) -> Module:
+    """The module's computations; instruction lines outside any computation form the computation ""."""
     mod = Module()
     current = ""
     for line in text.splitlines():
@@ -119,7 +153,7 @@ def parse(text: str) -> Module:
             current = ""
             continue
         m = _INSTR.match(line)
-        if not (m and current):
+        if not m:
             continue
         name, rest = m.groups()
         shape, after = _split_shape(rest.strip())
@@ -127,9 +161,9 @@ def parse(text: str) -> Module:
         if not op_m:
             continue
         operand_text, attrs = _split_top(op_m.group(2))
-        operands = re.findall(r"%([\w.\-]+)", operand_text)
+        operands = _operand_names(op_m.group(1), operand_text)
         ins = Instr(name, shape, op_m.group(1), operands, attrs, current, operand_text)
-        mod.computations[current].append(ins)
+        mod.computations.setdefault(current, []).append(ins)
         mod.by_name[name] = ins
         for o in operands:
             mod.users.setdefault(o, []).append(ins)
@@ -152,15 +186,35 @@ def multipliers(mod: Module) -> dict[str, int]:
     return mult
 
 
+def contracting_dims(ins: Instr, side: str) -> list[int]:
+    """The `side` ("lhs" or "rhs") operand's contracting dims: a dot's `lhs_contracting_dims={1}` or a
+    cuBLAS custom call's `"lhs_contracting_dimensions":["1"]` (in its backend config)."""
+    m = re.search(side + r'_contracting_dims?(?:=\{([\d,]*)\}|ensions"\s*:\s*\[([^\]]*)\])', ins.attrs)
+    if not m:
+        return []
+    raw = m.group(1) if m.group(1) is not None else m.group(2)
+    return [int(v.strip('" ')) for v in raw.split(",") if v.strip('" ')]
+
+
+def operand_types(ins: Instr, mod: Module) -> list[tuple[str, list[int]]]:
+    """(dtype, layout minor-to-major) of each array operand: as typed in the operand list, else as defined."""
+    out = []
+    for piece in _pieces(ins.args):
+        typed = _TYPE.match(piece) if " " in piece else None  # `f8e4m3fn[64,32]{1,0} %x`
+        if typed is None and (d := mod.by_name.get(piece.split()[-1].lstrip("%"))):
+            typed = _TYPE.match(d.shape)
+        if typed:
+            out.append((typed.group(1), [int(v) for v in (typed.group(2) or "").split(",") if v]))
+    return out
+
+
 def dot_flops(ins: Instr, mod: Module) -> float:
     """2 · output elements · contracted elements for a dot or a cuBLAS gemm custom call; 0 otherwise."""
     if ins.op == "dot":
-        dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
-        contracting = [int(d) for d in dims.group(1).split(",") if d] if dims else []
+        contracting = contracting_dims(ins, "lhs")
         out_shape = ins.shape
     elif ins.op == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)', ins.attrs):
-        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
-        contracting = [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')] if m else []
+        contracting = contracting_dims(ins, "lhs")
         out_shape = _ARRAY.search(ins.shape).group(0) if _ARRAY.search(ins.shape) else ""  # (result, workspace)
     else:
         return 0.0
@@ -177,3 +231,41 @@ def loop_dot_flops_uncounted(mod: Module) -> float:
     return sum((mult.get(ins.computation, 0) - 1) * dot_flops(ins, mod)
                for comp in mult for ins in mod.computations[comp] if mult[comp] > 1)
 
+
+
+def gemm_kind(ins: Instr) -> str | None:
+    """A cuBLAS custom call's target, "triton_gemm" for a Triton GEMM fusion, "dot"; None for the rest."""
+    if ins.op == "custom-call" and (m := re.search(r'custom_call_target="([^"]*__cublas[^"]*)"', ins.attrs)):
+        return m.group(1)
+    if ins.op == "fusion" and "__triton_gemm" in ins.attrs:
+        return "triton_gemm"
+    return "dot" if ins.op == "dot" else None
+
+
+def gemm_report(text: str) -> dict:
+    """{"fp8": n, "bf16": n, "fp32": n, "other": n, "fp8_k_major": n, "fp8_not_k_major": n, "kinds": {...}}
+    over every cuBLAS custom call, Triton GEMM fusion and dot of an HLO module (each where it is written,
+    not times its computation's multiplier). An fp8 GEMM is K-major when each operand contracts exactly
+    its minor-most dimension."""
+    out = {"fp8": 0, "bf16": 0, "fp32": 0, "other": 0, "fp8_k_major": 0, "fp8_not_k_major": 0, "kinds": {}}
+    mod = parse(text)
+    for ins in (i for comp in mod.computations.values() for i in comp):
+        kind = gemm_kind(ins)
+        if kind is None:
+            continue
+        out["kinds"][kind] = out["kinds"].get(kind, 0) + 1
+        ops = operand_types(ins, mod)[:2]
+        dtypes = {d for d, _ in ops}
+        if dtypes and all(d.startswith("f8") for d in dtypes):
+            out["fp8"] += 1
+            minor = [layout[0] if layout else None for _, layout in ops]
+            k_major = len(ops) == 2 and contracting_dims(ins, "lhs") == [minor[0]] and \
+                contracting_dims(ins, "rhs") == [minor[1]]
+            out["fp8_k_major" if k_major else "fp8_not_k_major"] += 1
+        elif "bf16" in dtypes:
+            out["bf16"] += 1
+        elif dtypes == {"f32"}:
+            out["fp32"] += 1
+        else:
+            out["other"] += 1
+    return out

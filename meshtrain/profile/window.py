@@ -8,10 +8,10 @@ step time; the two waits stay on it, being the steps' own device time (the train
 each also ends its step's interval: metrics.Throughput). Steps outside the window run exactly as without it: a few comparisons per step.
 
 The trace is what `jax.profiler` writes: `<run.dir>/profile/plugins/profile/<time>/<host>.trace.json.gz`
-(Chrome trace format, read by `python -m meshtrain.profile_table`), a `perfetto_trace.json.gz` beside it
+(Chrome trace format, read by `python -m meshtrain.profile`), a `perfetto_trace.json.gz` beside it
 for ui.perfetto.dev, and the `.xplane.pb` that TensorBoard's profile plugin reads. Beside them goes
 `<run.dir>/profile/step.hlo.txt`, the traced step's optimized HLO (from jit's compilation cache, so it
-costs no compile): it tells profile_table which fused kernels are the optimizer's.
+costs no compile): it tells the table (profile/table.py) which fused kernels are the optimizer's.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import jax
 
 from meshtrain.config import RunConfig, profile_range
 # The names the trace and its reader share: the host annotation around each traced step, and the file
-# holding the traced step's optimized HLO (profile_trace imports nothing but the standard library).
-from meshtrain.profile_trace import PROGRAM_FILE, STEP_MARKER
+# holding the traced step's optimized HLO (trace.py imports nothing but the standard library).
+from meshtrain.profile.trace import PROGRAM_FILE, STEP_MARKER
 
 
 class StepTrace:
@@ -84,7 +84,7 @@ class StepTrace:
                 (self.directory / PROGRAM_FILE).write_text(program())
             except Exception as e:  # noqa: BLE001 - whatever lowering raises, the run goes on
                 self._write(f"meshtrain: the step's program was not written beside the trace ({e}); "
-                            f"profile_table will count the optimizer's kernels as elementwise")
+                            f"the profile table will count the optimizer's kernels as elementwise")
         return time.perf_counter() - began
 
     def stop(self) -> None:
@@ -95,5 +95,5 @@ class StepTrace:
         jax.profiler.stop_trace()
         lo, hi = self.window[0], self.last + 1  # an early stop ends the window where the run ended
         self._write(f"meshtrain: profiled steps {lo}:{hi} into {self.directory}; table: python -m "
-                    f"meshtrain.profile_table {self.directory} (timeline: its perfetto_trace.json.gz in "
+                    f"meshtrain.profile {self.directory} (timeline: its perfetto_trace.json.gz in "
                     f"ui.perfetto.dev, or tensorboard --logdir {self.directory})")

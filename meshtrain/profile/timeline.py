@@ -1,4 +1,4 @@
-"""Device time by category from a trace's kernels (meshtrain/profile_trace.py): the accounting.
+"""Device time by category from a trace's kernels (meshtrain/profile/trace.py): the accounting.
 
 Every instant of every device's timeline in the window (first kernel to last, over all devices) goes
 to exactly one row, so the rows add up to the window:
@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from meshtrain.profile_trace import COMPUTE, PROGRAM_FILE, STEP_MARKER, TRANSFER, Kernel
+from meshtrain.profile.trace import COMPUTE, PROGRAM_FILE, STEP_MARKER, TRANSFER, Kernel
 
 def self_time_pieces(kernels: list[Kernel]) -> list[tuple[float, float, Kernel]]:
     """One thread's kernels as non-overlapping pieces: a kernel nested in another (a thunk inside a

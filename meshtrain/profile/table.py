@@ -1,20 +1,16 @@
-"""Device time by category from a `jax.profiler` trace: `python -m meshtrain.profile_table TRACE [--json] [--steps N]`.
+"""Device time by category from a `jax.profiler` trace, as a report (a dict) and as a printed table.
 
-TRACE is a `*.trace.json.gz` (Chrome trace format) or a directory holding some, e.g. `<run.dir>/profile`
-of `run.profile_steps` (the newest is read). meshtrain/profile_trace.py reads the kernels and sorts them
-into categories; meshtrain/profile_timeline.py gives every instant of the window to one row; this module
-prints the table.
+trace.py reads the kernels and sorts them into categories; timeline.py gives every instant of the window
+to one row; this module finds the trace (and the program beside it) and lays out the table. The command
+is `python -m meshtrain.profile` (__main__.py).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from meshtrain.profile_timeline import summarize
-from meshtrain.profile_trace import (OTHER, PROGRAM_FILE, find_program, find_trace, load_events, program_scopes,
+from meshtrain.profile.timeline import summarize
+from meshtrain.profile.trace import (OTHER, PROGRAM_FILE, find_program, find_trace, load_events, program_scopes,
                                      read_trace)
 
 LABELS = {"gemm": "GEMM", "attention": "attention", "elementwise": "norm/elementwise", "optimizer": "optimizer",
@@ -75,27 +71,3 @@ def profile_report(path: str | Path, steps: int | None = None, top_kernels: int 
     report = summarize(*read_trace(load_events(trace), scopes), steps=steps, top_kernels=top_kernels,
                        scoped=scopes is not None)
     return dict(trace=str(trace), program=source, **report)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.profile_table", description=__doc__.split("\n")[0])
-    p.add_argument("trace", help="a *.trace.json.gz, or a directory with some (the newest is read)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--steps", type=int, default=None, help="steps in the trace (default: from its step markers)")
-    p.add_argument("--program", metavar="HLO", default=None, help="the traced program's optimized HLO text "
-                   f"(default: {PROGRAM_FILE} beside the trace), to find the optimizer's kernels")
-    args = p.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        p.error(f"--steps {args.steps}: must be >= 1")
-    try:
-        program = Path(args.program).read_text() if args.program else None
-        report = profile_report(args.trace, args.steps, program=program)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=1) if args.json else format_table(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -47,8 +47,8 @@ TRANSFER = ("collective", "memcpy")
 DEVICE_PROCESS = re.compile(r"/device:([A-Za-z]+):(\d+)")
 DERIVED_LINE = re.compile(r"^(XLA Modules|XLA Ops|Async XLA Ops|XLA TraceMe|Steps|TensorFlow|Framework|"
                           r"Source code|Launch Stats|SparseCore)", re.I)
-STEP_MARKER = "train_step"  # the host annotation meshtrain/profiler.py puts around each traced step
-PROGRAM_FILE = "step.hlo.txt"  # meshtrain/profiler.py writes the traced step's optimized HLO beside the trace
+STEP_MARKER = "train_step"  # the host annotation meshtrain/profile/window.py puts around each traced step
+PROGRAM_FILE = "step.hlo.txt"  # meshtrain/profile/window.py writes the traced step's optimized HLO beside the trace
 # train_step.py's jax.named_scope around the optimizer update. XLA keeps the scope in each instruction's
 # op_name, but a GPU trace names kernels after their fusion (`loop_select_fusion_5`: the fused AdamW
 # update is rooted in the non-finite guard's select), so the program file is what ties them together.
