@@ -88,7 +88,8 @@ def load(source: str, overrides: list[str], *, step: int | None = None) -> Loade
 def with_vocab_rows(setup: Setup, rows: int) -> Setup:
     """The setup with the vocabulary padded to `rows` (a saved checkpoint's; any multiple of tp works:
     padded logits are masked by the loss and cut off by `logits`)."""
-    return dataclasses.replace(setup, model=setup.model.clone(vocab_padded=rows))
+    exe = dataclasses.replace(setup.exe, vocab_padded=rows)
+    return dataclasses.replace(setup, exe=exe, model=setup.model.clone(exe=exe))
 
 
 def _setup(cfg: Config) -> Setup:

@@ -28,7 +28,8 @@ def make_layer(ep: int, tp: int = 1, **moe_fields) -> MoE:
     mesh = build_mesh({a: {"ep": ep, "tp": tp}.get(a, 1) for a in MESH_AXES}, jax.devices()[:ep * tp])
     rules = make_rules(mesh, zero_stage=0, sequence_parallel=False, n_kv_heads=2).params
     moe = MoEConfig(**{"n_experts": X, "top_k": 2, "d_ff_expert": F, "dispatch": "padded", **moe_fields})
-    return MoE(cfg.model, moe, POLICY, rules, out_std=0.3)
+    gemm = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul  # what resolve picks off a GPU
+    return MoE(cfg.model, moe, POLICY, rules, out_std=0.3, exchange=moe.dispatch, gemm=gemm)
 
 
 def init(layer: MoE, x_btd):

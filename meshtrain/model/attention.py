@@ -11,8 +11,9 @@ dtype. Query t sees key s when both are in the same segment and position[s] <= p
   pallas     pallas_kernels.flash_attention (Pallas GPU kernels; interpret mode on CPU); index-causal
              plus segment ids. model.attention_kernel picks its kernels: Mosaic GPU on Hopper (auto,
              mosaic) or Triton
-  auto       on a GPU with bf16/fp16: cudnn (measured fastest, docs/PERFORMANCE.md), or pallas when
-             documents are masked or the sequence is split over cp/sp; reference elsewhere
+  auto       decided once, with every other `auto`, by meshtrain/resolve.py (the Execution this
+             dispatch reads): on a GPU with bf16/fp16 cudnn (measured fastest, docs/PERFORMANCE.md),
+             or pallas when documents are masked or the sequence is split over cp/sp; reference elsewhere
 
 With the sequence split over cp or sp (mesh.cp, mesh.sp > 1) attention runs through
 parallel/sequence/ (Ulysses, ring), with the jnp block (reference) or the Pallas kernels (pallas).
@@ -25,57 +26,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels as pk
-from meshtrain.config import ConfigError
 from meshtrain.parallel.sequence import context
+from meshtrain.resolve import Execution
 from meshtrain.sharding import ShardingRules
 
-IMPLEMENTATIONS = ("auto", "reference", "cudnn", "pallas")
-
-
-def resolve(impl: str, dtype: jnp.dtype, document_mask: bool = False, pipelined: bool = False,
-            sequence_sharded: bool = False) -> str:
-    if impl != "auto":
-        return impl
-    if pipelined:  # neither fused implementation compiles inside a pipeline stage yet (config.pipeline_problems)
-        return "reference"
-    fused_ok = jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
-    if not fused_ok:
-        return "reference"
-    return "pallas" if document_mask or sequence_sharded else "cudnn"
-
-
 def attention(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions_bt: jax.Array,
-              segment_ids_bt: jax.Array, *, impl: str, document_mask: bool, rules: ShardingRules,
-              cp_impl: str = "ring", cp_layout: str = "zigzag", kernel: str = "auto") -> jax.Array:
-    if context.active(rules):  # sequence split over cp/sp: Ulysses and ring attention
-        impl = resolve(impl, q_bthe.dtype, document_mask, sequence_sharded=True)
-        check_kernel(impl, kernel, q_bthe)
+              segment_ids_bt: jax.Array, *, exe: Execution, document_mask: bool, rules: ShardingRules) -> jax.Array:
+    """o [B, T, H, E] by the implementation `exe` decided (module docstring)."""
+    impl = exe.attention
+    if exe.sequence_sharded:  # sequence split over cp/sp: Ulysses and ring attention
         return context.context_attention(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt, impl=impl,
-                                         document_mask=document_mask, cp_impl=cp_impl, cp_layout=cp_layout,
-                                         rules=rules, attention_kernel=kernel)
-    impl = resolve(impl, q_bthe.dtype, document_mask)
-    check_kernel(impl, kernel, q_bthe)
+                                         document_mask=document_mask, cp_impl=exe.cp_impl, cp_layout=exe.cp_layout,
+                                         rules=rules, attention_kernel=exe.attention_kernel,
+                                         interpret=exe.interpret)
     if impl == "reference":
         return reference_attention(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt)
     if impl == "cudnn":
         if document_mask:  # validate() refuses this; a direct caller gets the same message
             raise ValueError("model.attention=cudnn cannot mask documents; use model.attention=pallas or auto")
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True, implementation="cudnn")
-    if impl == "pallas":
-        from meshtrain.model.kernels import pallas_attention
-        return pallas_attention(q_bthe, k_btke, v_btke, segment_ids_bt if document_mask else None, rules, kernel)
-    raise ValueError(f"model.attention={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
-
-
-def check_kernel(impl: str, kernel: str, q_bthe: jax.Array) -> None:
-    """model.attention_kernel=mosaic where the Mosaic GPU kernels cannot run: a config error that says why."""
-    if impl != "pallas" or kernel != "mosaic":
-        return
-    why = pk.mosaic_unavailable(q_bthe.shape[-1], q_bthe.dtype, interpret=jax.default_backend() == "cpu")
-    if why:
-        raise ConfigError(f"model.attention_kernel=mosaic: {why}; use model.attention_kernel=auto (Mosaic where it "
-                          f"can run, Triton elsewhere) or triton")
+    from meshtrain.model.kernels import pallas_attention
+    return pallas_attention(q_bthe, k_btke, v_btke, segment_ids_bt if document_mask else None, rules,
+                            exe.attention_kernel, exe.interpret)
 
 
 def visible_mask(q_positions_bt: jax.Array, q_segment_ids_bt: jax.Array, kv_positions_bs: jax.Array,

@@ -1,7 +1,7 @@
 """The Pallas kernels (pallas_kernels/) as model building blocks: each call runs shard-locally.
 
 `model.attention=pallas`, `model.norm=pallas` and `model.loss=fused` route here. On a CPU the same
-kernels run in Pallas interpret mode (slow; for tests).
+kernels run in Pallas interpret mode (slow; for tests): the caller passes the Execution's `interpret`.
 """
 from __future__ import annotations
 
@@ -13,18 +13,13 @@ from meshtrain.parallel.shard_local import shard_local, tp_shard_kv_head
 from meshtrain.sharding import HEAD_IN, KV, Q, RESIDUAL, SEQ, ShardingRules
 
 
-def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
-
-
 def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, segment_ids_bt: jax.Array | None,
-                     rules: ShardingRules, backend: str = "auto") -> jax.Array:
+                     rules: ShardingRules, backend: str, interpret: bool) -> jax.Array:
     """Causal flash attention on each device's shard; segment ids (if given) mask documents. backend:
-    the kernels' (model.attention_kernel)."""
+    the kernels (mosaic or triton, as the Execution decided)."""
     h, kv = q_bthe.shape[2], k_bske.shape[2]
     tp = rules.mesh.shape["tp"]
     kv_split = kv % tp == 0  # otherwise every tp shard holds all kv heads (replicated, Megatron style)
-    interpret = _interpret()
 
     def local(q, k, v, *seg):
         if not kv_split and tp > 1:
@@ -38,9 +33,7 @@ def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, se
 
 
 def pallas_rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float, out_dtype: jnp.dtype,
-                    rules: ShardingRules) -> jax.Array:
-    interpret = _interpret()
-
+                    rules: ShardingRules, interpret: bool) -> jax.Array:
     def local(x, w):
         return pk.rms_norm(x.astype(out_dtype), w, eps=eps, interpret=interpret)
 
@@ -48,14 +41,12 @@ def pallas_rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float, out_dtype:
 
 
 def fused_cross_entropy(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, vocab_size: int,
-                        rules: ShardingRules) -> jax.Array:
+                        rules: ShardingRules, interpret: bool) -> jax.Array:
     """Per-token loss [B, T] without materializing the [B, T, V] logits.
 
     The kernel needs the whole vocabulary for its logsumexp, so a tp-sharded head is gathered
     (one [D, V] copy per device) and padded vocabulary columns are cut off.
     """
-    interpret = _interpret()
-
     def local(h, w, labels):
         b, t, d = h.shape
         loss_n = pk.linear_cross_entropy(h.reshape(b * t, d), w[:, :vocab_size].astype(h.dtype),

@@ -46,11 +46,6 @@ def site_matmul(module: nn.Module, site: str, subscripts: str, x: jax.Array, w: 
     return policy.einsum(subscripts, x, w, site=site, meta=meta)
 
 
-def ring_tp(module: nn.Module) -> bool:
-    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/tensor.py)?"""
-    return tensor.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
-
-
 def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
                           sites: Sequence[tuple[str, str, jax.Array, LogicalNames, LogicalNames]]) -> list[jax.Array]:
     """Column-parallel matmuls of the sequence-sharded x_btd, sharing one ring over tp. Each site is
@@ -89,13 +84,14 @@ class RMSNorm(nn.Module):
     policy: Precision
     rules: ShardingRules
     impl: str = "reference"  # reference | pallas
+    interpret: bool = False  # the Pallas kernel in interpret mode (CPU)
 
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         scale_d = param(self, "scale", nn.initializers.ones, (x_btd.shape[-1],), ("embed",), self.policy.param_dtype)
         if self.impl == "pallas":
             from meshtrain.model.kernels import pallas_rms_norm
-            return pallas_rms_norm(x_btd, scale_d, self.eps, self.policy.compute_dtype, self.rules)
+            return pallas_rms_norm(x_btd, scale_d, self.eps, self.policy.compute_dtype, self.rules, self.interpret)
         return rms_norm_jnp(x_btd, scale_d, self.eps).astype(self.policy.compute_dtype)
 
 
@@ -152,6 +148,7 @@ class SwiGLU(nn.Module):
     policy: Precision
     rules: ShardingRules
     out_std: float
+    ring: bool = False  # tp's matmuls as shard_map rings over x's sequence chunks (Execution.tp_ring)
 
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -161,7 +158,7 @@ class SwiGLU(nn.Module):
         w_up_df = param(self, "w_up", init, (c.d_model, c.d_ff), ("embed", "mlp"), p.param_dtype)
         w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("mlp", "embed"),
                           p.param_dtype)
-        ring = ring_tp(self)
+        ring = self.ring
         if ring:
             gate_btf, up_btf = gathered_site_matmuls(self, x_btd, [
                 ("mlp.w_gate", "btd,df->btf", w_gate_df, ("embed", "mlp"), HIDDEN),

@@ -16,12 +16,13 @@ IGNORE = -100  # label value that contributes no loss
 
 
 def cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, *, policy: Precision,
-                      rules: ShardingRules, vocab_size: int, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
+                      rules: ShardingRules, vocab_size: int, impl: str = "reference", interpret: bool = False
+                      ) -> tuple[jax.Array, jax.Array]:
     valid_bt = labels_bt >= 0
     n_tokens = jnp.sum(valid_bt, dtype=jnp.float32)
     if impl == "fused":
         from meshtrain.model.kernels import fused_cross_entropy
-        loss_bt = fused_cross_entropy(h_btd, head_dv, labels_bt, vocab_size, rules)
+        loss_bt = fused_cross_entropy(h_btd, head_dv, labels_bt, vocab_size, rules, interpret)
         return jnp.sum(jnp.where(valid_bt, loss_bt, 0.0)), n_tokens
 
     # The GEMM itself returns fp32 (accumulated in fp32, never rounded to the compute dtype): a bf16

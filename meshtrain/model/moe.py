@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.layers import SwiGLU, param, scaled_normal
-from meshtrain.parallel.expert import W_IN, W_OUT, moe_ffn, resolve_exchange, resolve_grouped_matmul
+from meshtrain.parallel.expert import W_IN, W_OUT, moe_ffn
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules
 
@@ -71,6 +71,11 @@ class MoE(nn.Module):
     policy: Precision
     rules: ShardingRules
     out_std: float
+    # How the experts run, as the Execution decided (meshtrain/resolve.py): the dropless all-to-all,
+    # the grouped GEMMs, and fp32 where XLA:CPU cannot compile the region in bf16.
+    exchange: str = "padded"
+    gemm: str = "ragged_dot"
+    compute_fp32: bool = False
 
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -85,8 +90,8 @@ class MoE(nn.Module):
 
         logits_btx, probs_btx, experts_btk, weights_btk = route(x_btd, w_router_dx, e)
         y_btd, kept_btk = moe_ffn(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd, rules=r,
-                                  policy=p, capacity_factor=e.capacity_factor, exchange=resolve_exchange(e.dispatch),
-                                  grouped_matmul=resolve_grouped_matmul(e.grouped_matmul))
+                                  policy=p, capacity_factor=e.capacity_factor, exchange=self.exchange,
+                                  grouped_matmul=self.gemm, compute_fp32=self.compute_fp32)
         stats = router_stats(logits_btx, probs_btx, experts_btk, kept_btk)
         self.sow(LOSSES, "moe_aux", e.aux_loss_coef * stats["aux_loss"])
         self.sow(LOSSES, "moe_z", e.z_loss_coef * stats["z_loss"])

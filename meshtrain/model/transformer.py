@@ -30,10 +30,11 @@ from meshtrain.model.attention import attention
 from meshtrain.model.embedding import embedding_lookup
 from meshtrain.model.kv_cache import cached_attention
 from meshtrain.model.layers import (FP8_META, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope, gathered_site_matmuls,
-                                     param, ring_tp, rope_tables, scaled_normal, scattered_site_matmul, site_matmul)
+                                     param, rope_tables, scaled_normal, scattered_site_matmul, site_matmul)
 from meshtrain.model.moe import LOSSES, METRICS, MoE
 from meshtrain.model.remat import remat_policy
 from meshtrain.precision import Precision
+from meshtrain.resolve import Execution
 from meshtrain.sharding import KV, Q, RESIDUAL, TOKENS, ShardingRules
 
 
@@ -57,6 +58,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
     policy: Precision
     rules: ShardingRules
+    exe: Execution
     out_std: float
     document_mask: bool
     decode: bool = False  # generation: keep a KV cache (model/kv_cache.py)
@@ -72,7 +74,7 @@ class Attention(nn.Module):
         wo_hed = param(self, "wo", scaled_normal(self.out_std), (h, e, d), ("heads", "head_dim", "embed"),
                        p.param_dtype)
 
-        ring = ring_tp(self)
+        ring = self.exe.tp_ring and not self.decode
         if ring:  # one ring over tp brings x's sequence chunks to all three projections
             q_bthe, k_btke, v_btke = gathered_site_matmuls(self, x_btd, [
                 ("attn.wq", "btd,dhe->bthe", wq_dhe, ("embed", "heads", "head_dim"), Q),
@@ -91,9 +93,8 @@ class Attention(nn.Module):
         if self.decode:  # this call's k, v join the cache; the queries read all of it
             o_bthe = cached_attention(self, q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, r)
         else:
-            o_bthe = attention(q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, impl=c.attention,
-                               document_mask=self.document_mask, rules=r, cp_impl=c.cp_impl,
-                               cp_layout=c.cp_layout, kernel=c.attention_kernel)
+            o_bthe = attention(q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, exe=self.exe,
+                               document_mask=self.document_mask, rules=r)
         o_bthe = checkpoint_name(r.constrain(o_bthe, Q), "attn_out")
         if ring:
             out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, Q,
@@ -107,19 +108,22 @@ class Block(nn.Module):
     cfg: ModelConfig
     policy: Precision
     rules: ShardingRules
+    exe: Execution
     document_mask: bool = False
     decode: bool = False
     moe: MoEConfig | None = None  # set: the FFN is a mixture of experts
 
     @nn.compact
     def __call__(self, x_btd: jax.Array, info: SeqInfo) -> tuple[jax.Array, None]:
-        c, p, r = self.cfg, self.policy, self.rules
+        c, p, r, exe = self.cfg, self.policy, self.rules, self.exe
         out_std = c.init_std / (2 * c.n_layers) ** 0.5  # residual branches start small (GPT-2 scaling)
-        h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="attn_norm")(x_btd)
-        attn = Attention(c, p, r, out_std, self.document_mask, self.decode, name="attn")
+        h_btd = RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret, name="attn_norm")(x_btd)
+        attn = Attention(c, p, r, exe, out_std, self.document_mask, self.decode, name="attn")
         x_btd = r.constrain(x_btd + attn(h_btd, info), RESIDUAL)
-        h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="mlp_norm")(x_btd)
-        ffn = MoE(c, self.moe, p, r, out_std, name="moe") if self.moe else SwiGLU(c, p, r, out_std, name="mlp")
+        h_btd = RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret, name="mlp_norm")(x_btd)
+        ring = exe.tp_ring and not self.decode
+        ffn = (MoE(c, self.moe, p, r, out_std, exe.moe_exchange, exe.moe_gemm, exe.moe_fp32, name="moe") if self.moe
+               else SwiGLU(c, p, r, out_std, ring, name="mlp"))
         x_btd = r.constrain(x_btd + ffn(h_btd), RESIDUAL)
         return x_btd, None  # (carry, per-layer output) as nn.scan expects
 
@@ -132,6 +136,7 @@ class UnrolledStack(nn.Module):
     cfg: ModelConfig
     policy: Precision
     rules: ShardingRules
+    exe: Execution
     n_layers: int
     document_mask: bool
     decode: bool = False
@@ -141,14 +146,15 @@ class UnrolledStack(nn.Module):
     def __call__(self, x_btd: jax.Array, info: SeqInfo) -> tuple[jax.Array, None]:
         for i in range(self.n_layers):
             moe = self.moe if self.moe and self.moe.is_moe_layer(i) else None
-            block = self.block(self.cfg, self.policy, self.rules, self.document_mask, self.decode, moe,
+            block = self.block(self.cfg, self.policy, self.rules, self.exe, self.document_mask, self.decode, moe,
                                name=f"layer_{i}")
             x_btd, _ = block(x_btd, info)
         return x_btd, None
 
 
-def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, *, n_layers: int, remat: str = "none",
-                document_mask: bool = False, decode: bool = False, moe: MoEConfig | None = None) -> nn.Module:
+def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, exe: Execution, *, n_layers: int,
+                remat: str = "none", document_mask: bool = False, decode: bool = False,
+                moe: MoEConfig | None = None) -> nn.Module:
     """A module running `n_layers` blocks: (x [B, T, D], SeqInfo) -> (x, None); params stacked on L when
     scanned. A pipeline stage builds one with its share of the layers and applies it to its slice."""
     moe = moe if moe is not None and moe.enabled else None
@@ -158,15 +164,15 @@ def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, *, n_
         # prevent_cse only matters outside scan; inside it would block useful fusions.
         block = nn.remat(Block, policy=policy_fn, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
-        return UnrolledStack(block, cfg, policy, rules, n_layers, document_mask, decode, moe)
+        return UnrolledStack(block, cfg, policy, rules, exe, n_layers, document_mask, decode, moe)
     # fp8 amax histories, the decode cache, sown auxiliary losses and router metrics stack on `layers` like
     # the params: one per layer (or per group of moe.every layers).
     scan = partial(nn.scan, variable_axes={"params": 0, "cache": 0, FP8_META: 0, LOSSES: 0, METRICS: 0},
                    split_rngs={"params": True}, in_axes=(nn.broadcast,), metadata_params={nn.PARTITION_NAME: "layers"})
     if moe is None or moe.every == 1:
-        return scan(block, length=n_layers)(cfg, policy, rules, document_mask, decode, moe)
-    return scan(UnrolledStack, length=n_layers // moe.every)(block, cfg, policy, rules, moe.every, document_mask,
-                                                             decode, moe)
+        return scan(block, length=n_layers)(cfg, policy, rules, exe, document_mask, decode, moe)
+    return scan(UnrolledStack, length=n_layers // moe.every)(block, cfg, policy, rules, exe, moe.every,
+                                                             document_mask, decode, moe)
 
 
 def unrolled_layers(stacked: dict, n_layers: int, every: int = 1) -> dict:
@@ -202,26 +208,30 @@ class Decoder(nn.Module):
     cfg: ModelConfig
     policy: Precision
     rules: ShardingRules
-    vocab_padded: int
+    exe: Execution  # every `auto` decided (kernels, the tp ring, the expert exchange, the padded vocabulary)
     remat: str = "none"
     document_mask: bool = False
     decode: bool = False  # generation: every attention keeps a KV cache (collection "cache")
     moe: MoEConfig | None = None
 
     def setup(self) -> None:
-        c, p, r = self.cfg, self.policy, self.rules
-        self.embedding = param(self, "embedding", scaled_normal(c.init_std), (self.vocab_padded, c.d_model),
+        c, p, r, exe = self.cfg, self.policy, self.rules, self.exe
+        self.embedding = param(self, "embedding", scaled_normal(c.init_std), (exe.vocab_padded, c.d_model),
                                ("vocab", "embed"), p.param_dtype)
         self.layers = self.stack(c.n_layers)
-        self.final_norm = RMSNorm(c.norm_eps, p, r, c.norm)
+        self.final_norm = RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret)
         if not c.tie_embeddings:
-            self.lm_head = param(self, "lm_head", scaled_normal(c.d_model ** -0.5), (c.d_model, self.vocab_padded),
+            self.lm_head = param(self, "lm_head", scaled_normal(c.d_model ** -0.5), (c.d_model, exe.vocab_padded),
                                  ("embed", "vocab"), p.param_dtype)
+
+    @property
+    def vocab_padded(self) -> int:
+        return self.exe.vocab_padded
 
     def stack(self, n_layers: int) -> nn.Module:
         """The module running `n_layers` of this decoder's blocks, built as its own stack is (the one
         builder): the whole stack in `setup`, a pipeline stage's chunk of it elsewhere."""
-        return block_stack(self.cfg, self.policy, self.rules, n_layers=n_layers, remat=self.remat,
+        return block_stack(self.cfg, self.policy, self.rules, self.exe, n_layers=n_layers, remat=self.remat,
                            document_mask=self.document_mask, decode=self.decode, moe=self.moe)
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:

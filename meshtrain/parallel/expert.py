@@ -44,7 +44,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from meshtrain.config import ConfigError
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules, only_axes
 
@@ -52,25 +51,6 @@ from meshtrain.sharding import ShardingRules, only_axes
 # over ep, each expert's hidden width over tp as in a dense FFN.
 W_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, D, F]
 W_OUT = ("experts", "mlp", "embed")  # w_down [X, F, D]
-
-
-def resolve_exchange(name: str) -> str:
-    """`moe.dispatch` -> the dropless exchange this backend runs (ragged needs GPU/TPU collectives)."""
-    backend = jax.default_backend()
-    if name == "auto":
-        return "padded" if backend == "cpu" else "ragged"
-    if name == "ragged" and backend == "cpu":
-        raise ConfigError("moe.dispatch=ragged: the CPU backend has no ragged all-to-all; use moe.dispatch=padded "
-                          "(or auto)")
-    return name
-
-
-def resolve_grouped_matmul(name: str) -> str:
-    """`moe.grouped_matmul` -> ragged_dot or pallas (auto: the kernel on GPUs; off them it would run
-    in interpret mode, which is for tests)."""
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
-    return name
 
 
 def token_axes(rules: ShardingRules) -> tuple[str, ...]:
@@ -81,16 +61,18 @@ def token_axes(rules: ShardingRules) -> tuple[str, ...]:
 
 def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
             w_up_xdf: jax.Array, w_down_xfd: jax.Array, *, rules: ShardingRules, policy: Precision,
-            capacity_factor: float, exchange: str, grouped_matmul: str = "ragged_dot"
+            capacity_factor: float, exchange: str, grouped_matmul: str = "ragged_dot", compute_fp32: bool = False
             ) -> tuple[jax.Array, jax.Array]:
-    """Routed experts' SwiGLU, combined with the router weights: (y [B, T, D], kept [B, T, K] fp32)."""
+    """Routed experts' SwiGLU, combined with the router weights: (y [B, T, D], kept [B, T, K] fp32).
+    exchange: ragged or padded (the dropless all-to-all over ep); grouped_matmul: ragged_dot or pallas;
+    compute_fp32: run the region in fp32 whatever the policy (Execution.moe_fp32)."""
     axes = token_axes(rules)
     ep = rules.mesh.shape["ep"]
     n_experts = w_gate_xdf.shape[0]
     # Partial specs, only the manual axes may be named: tokens as the batch, expert weights by expert alone.
     tokens, weights = rules.spec(("batch",)), only_axes(rules.spec(("experts",)), set(axes))
     out_dtype = x_btd.dtype
-    if jax.default_backend() == "cpu" and not policy.is_fp32:
+    if compute_fp32 and not policy.is_fp32:
         # XLA:CPU (jax 0.10) aborts compiling the bf16 version of this region on more than one device
         # ("Invalid binary instruction opcode copy"); CPUs run it in fp32 (they are for tests, not speed).
         policy, x_btd = Precision(policy.param_dtype, jnp.float32), x_btd.astype(jnp.float32)

@@ -23,7 +23,7 @@ from meshtrain.resolve import Execution
 from meshtrain.metrics import flops_per_token
 from meshtrain.planning import hlo
 from meshtrain.planning.collectives import Collective, collectives
-from meshtrain.step.state import Setup, build_setup, init_state
+from meshtrain.step.state import Setup, abstract_params, build_setup, init_state
 from meshtrain.step.train_step import make_train_step
 
 MEMORY_KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "generated_code_bytes", "peak_bytes")
@@ -81,7 +81,7 @@ def compile_step(cfg: Config, mesh: jax.sharding.Mesh, keep_text: bool = False) 
     n_dev = mesh.devices.size
     per_device = raw + hlo.loop_dot_flops_uncounted(module)
 
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(setup)))
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return StepReport(
         cfg=cfg, mesh=dict(mesh.shape), platform=mesh.devices.flat[0].platform, execution=setup.exe,

@@ -5,7 +5,6 @@ batch) from shapes alone (`jax.eval_shape`): nothing is allocated until `init_st
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +15,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from meshtrain.config import Config, fp8_exclude_patterns, padded_vocab
+from meshtrain.config import Config, fp8_exclude_patterns
 from meshtrain.data import Batch, Batches
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.transformer import Decoder, init_variables
 from meshtrain.precision import Precision
+from meshtrain.resolve import Execution, resolve_for_mesh
 from meshtrain.step.optim import make_optimizer
 from meshtrain.sharding import ZeroLayout, make_rules, replicated
 
@@ -48,6 +48,7 @@ class Setup:
 
     cfg: Config
     mesh: Mesh
+    exe: Execution  # every `auto` of cfg decided for this mesh (meshtrain/resolve.py)
     layout: ZeroLayout
     model: Decoder
     optimizer: optax.GradientTransformation
@@ -75,11 +76,9 @@ def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     policy = Precision.from_names(pc.compute, pc.params, pc.matmul, fp8_exclude_patterns(pc), pc.fp8_amax_history)
     layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
                         n_kv_heads=cfg.model.n_kv_heads)
-    model_cfg = cfg.model
-    if mesh.shape["pp"] > 1 and model_cfg.attention == "auto":  # the fused kernels don't compile in a stage yet
-        model_cfg = dataclasses.replace(model_cfg, attention="reference")
-    model = Decoder(model_cfg, policy, layout.params, padded_vocab(cfg.model, mesh.shape["tp"]), cfg.train.remat,
-                    document_mask=cfg.data.document_mask, moe=cfg.moe if cfg.moe.enabled else None)
+    exe = resolve_for_mesh(cfg, mesh)
+    model = Decoder(cfg.model, policy, layout.params, exe, cfg.train.remat, document_mask=cfg.data.document_mask,
+                    moe=cfg.moe if cfg.moe.enabled else None)
     optimizer = make_optimizer(cfg.train)
 
     tokens_spec = jax.ShapeDtypeStruct((cfg.train.global_batch // cfg.train.grad_accum, cfg.data.seq_len), jnp.int32)
@@ -97,7 +96,7 @@ def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     rep = replicated(mesh)
     state_sh = TrainState(step=rep, params=param_sh, model_state=model_state_sh, opt_state=opt_sh, nonfinite_run=rep,
                           nonfinite_total=rep, loss_scale=rep, scale_good_steps=rep)
-    return Setup(cfg, mesh, layout, model, optimizer, state_sh, layout.grads.tree_shardings(logical),
+    return Setup(cfg, mesh, exe, layout, model, optimizer, state_sh, layout.grads.tree_shardings(logical),
                  layout.params.sharding(BATCH))
 
 
@@ -111,7 +110,7 @@ def make_batches(setup: Setup, split: str = "train") -> Batches:
     c = setup.cfg
     return Batches(c.data, vocab_size=c.model.vocab_size, global_batch=c.train.global_batch,
                    grad_accum=c.train.grad_accum, seed=c.train.seed, sharding=setup.batch_sharding,
-                   cp=setup.mesh.shape["cp"], cp_layout=c.model.cp_layout, split=split)
+                   cp=setup.mesh.shape["cp"], cp_layout=setup.exe.cp_layout, split=split)
 
 
 def init_state(setup: Setup) -> TrainState:

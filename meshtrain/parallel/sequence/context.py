@@ -37,14 +37,14 @@ def active(rules: ShardingRules) -> bool:
 
 def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, positions_bt: jax.Array,
                       segment_ids_bt: jax.Array, *, impl: str, document_mask: bool, cp_impl: str, cp_layout: str,
-                      rules: ShardingRules, attention_kernel: str = "auto") -> jax.Array:
+                      rules: ShardingRules, attention_kernel: str = "", interpret: bool = False) -> jax.Array:
     """Causal attention of sequence-sharded q/k/v (see the module docstring); o like q."""
     if cp_impl not in CP_IMPLS:
         raise ValueError(f"model.cp_impl={cp_impl!r}: must be one of {', '.join(CP_IMPLS)}")
     shape = rules.mesh.shape
     cp, sp, tp = shape["cp"], shape["sp"], shape["tp"]
     kernel = impl == "pallas"
-    block = BlockAttention(impl, document_mask, interpret=jax.default_backend() == "cpu", backend=attention_kernel)
+    block = BlockAttention(impl, document_mask, interpret=interpret, backend=attention_kernel or "auto")
     specs = [rules.spec(n) for n in (Q, KV, KV, SEQ, SEQ)]
     manual = set(rules.mesh.axis_names) if kernel else {"cp", "sp"}
     head_groups = 1 if "tp" in manual else tp  # tp shards of the head axis this view still spans
