@@ -24,8 +24,6 @@ from meshtrain.planning import hlo
 from meshtrain.planning.collectives import Collective, collectives
 from meshtrain.train_step import build_setup, init_state, make_train_step
 
-MEMORY_KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "generated_code_bytes", "peak_bytes")
-
 
 @dataclass
 class StepReport:
