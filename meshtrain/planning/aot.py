@@ -26,8 +26,6 @@ from meshtrain.planning.collectives import Collective, collectives
 from meshtrain.step.state import Setup, abstract_params, build_setup, init_state
 from meshtrain.step.train_step import make_train_step
 
-MEMORY_KEYS = ("argument_bytes", "output_bytes", "temp_bytes", "generated_code_bytes", "peak_bytes")
-
 
 @dataclass
 class StepReport:

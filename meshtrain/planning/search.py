@@ -56,11 +56,6 @@ def as_given(cfg: Config, rates: Rates, n_devices: int, backend: str) -> tuple[C
     return Candidate(lay, run_estimate(cfg, exe), step_time(cfg, lay, rates, n_devices)), exe
 
 
-def n_experts(cfg: Config) -> int:
-    moe = getattr(cfg, "moe", None)  # the MoE section arrives with expert parallelism
-    return int(getattr(moe, "n_experts", 0) or 0)
-
-
 def family(lay: Layout) -> str:
     used = [a for a in AXES if lay.degrees[a] > 1]
     return "+".join(used) or "single device"
@@ -81,7 +76,7 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
             refused.setdefault(family(Layout(degrees)), f"model.n_heads={cfg.model.n_heads} is not divisible by "
                                                         f"sp*tp={degrees['sp'] * degrees['tp']}")
             continue
-        if degrees["ep"] > 1 and not n_experts(cfg):
+        if degrees["ep"] > 1 and not cfg.moe.n_experts:
             refused.setdefault(family(Layout(degrees)), "ep shards MoE experts; this model has none")
             continue
         for sp_flag in ((False, True) if degrees["tp"] > 1 else (False,)):
