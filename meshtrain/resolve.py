@@ -117,13 +117,6 @@ def resolve_for_mesh(cfg: Config, mesh) -> Execution:
     return resolve(cfg, dict(mesh.shape), mesh.devices.flat[0].platform)
 
 
-def current_backend() -> str:
-    """The backend jax runs on here, for commands that plan before any mesh exists (the one reader)."""
-    import jax
-
-    return jax.default_backend()
-
-
 def _attention(impl: str, backend: str, compute: jnp.dtype, document_mask: bool, sequence_sharded: bool,
                pipelined: bool) -> str:
     if impl != "auto":
