@@ -9,10 +9,11 @@ the field, the value and the fix, and `validate()` reports every problem at once
   loading.py     defaults <- preset <- YAML <- overrides: build_config, load_config, to_yaml, help_text
   from_hf.py     a Hugging Face config.json as model fields, for checkpoint.init_from=hf:DIR
   validation.py  ConfigError and validate() with its per-section checks
+  pipeline.py    the pipeline schedule kinds and the rules on their arguments (the schedule builders' too)
 
 Outside the package, import `from meshtrain.config import ...` (from_hf's names through meshtrain.hf.config).
-Inside, imports point one way: schema <- validation <- from_hf <- loading, presets stand alone; nothing
-here imports the rest of meshtrain except validation's lazy, jax-free parallel.schedules.
+Inside, imports point one way: pipeline <- schema <- validation <- from_hf <- loading, presets stand alone;
+nothing here imports the rest of meshtrain (config is the ground floor).
 """
 from meshtrain.config.loading import (
     all_keys, build_config, cpu_default_overrides, help_text, load_config, to_yaml,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from meshtrain.config.pipeline import Kind
+
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 
 # Names of the remat save points the model marks with checkpoint_name (model/transformer.py).
@@ -179,7 +181,7 @@ class PrecisionConfig:
 class PipelineConfig:
     """How mesh.pp > 1 runs: the schedule (docs/PIPELINE.md) over train.grad_accum microbatches."""
 
-    schedule: Literal["afab", "1f1b", "interleaved", "zb_h1", "dualpipe_v"] = "1f1b"
+    schedule: Kind = "1f1b"
     virtual_stages: int = 1  # model chunks per stage: interleaved any v >= 1, dualpipe_v 2, others 1
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+from meshtrain.config.pipeline import validate_args
 from meshtrain.config.schema import (
     CHECKPOINT_POINTS, MATMUL_SITES, MESH_AXES, REMAT_FIXED, Config, MeshConfig, fp8_exclude_patterns, profile_range,
 )
@@ -286,8 +287,6 @@ def fp8_exclude_problems(cfg: Config) -> list[str]:
 
 def pipeline_problems(cfg: Config, pp: int) -> list[str]:
     """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, layer split, kernels."""
-    from meshtrain.step.pipeline.schedules import validate_args  # pure Python, no jax
-
     m, pl = cfg.model, cfg.pipeline
     problems = validate_args(pl.schedule, pp, cfg.train.grad_accum, pl.virtual_stages,
                              names={"kind": "pipeline.schedule", "n_stages": "mesh.pp",

@@ -37,12 +37,11 @@ as its slowest op, so the executor's time is lockstep_makespan = Σ_tick max_sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+# The kinds and the argument rules are the config's (pure Python, below this floor); they are part of this
+# module's API too: the command and the tests take them from here with the builders.
+from meshtrain.config.pipeline import KINDS, Kind, validate_args  # noqa: F401
 from meshtrain.step.pipeline import builders
-
-Kind = Literal["afab", "1f1b", "interleaved", "zb_h1", "dualpipe_v"]
-KINDS: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zb_h1", "dualpipe_v")
 SPLIT_KINDS = frozenset({"zb_h1", "dualpipe_v"})  # backward split into B (input grad) and W
 
 
@@ -159,40 +158,6 @@ def _inputs(kind: str, microbatch: int, j: int, n_virtual: int) -> tuple[tuple[s
 
 
 # --------------------------------------------------------------------------- building
-
-
-def validate_args(kind: str, n_stages: int, n_microbatches: int, virtual_stages: int = 1,
-                  names: dict[str, str] | None = None) -> list[str]:
-    """Problems with these arguments, one line each naming the argument as `names` spells it
-    (e.g. a CLI flag or a config key), its value and the fix. Empty when make_schedule works."""
-    n = {"kind": "kind", "n_stages": "n_stages", "n_microbatches": "n_microbatches",
-         "virtual_stages": "virtual_stages", **(names or {})}
-    p, m, v = n_stages, n_microbatches, virtual_stages
-    problems = []
-    if kind not in KINDS:
-        problems.append(f"{n['kind']}={kind!r}: unknown schedule; choose one of {', '.join(KINDS)}")
-    for key, value in (("n_stages", p), ("n_microbatches", m), ("virtual_stages", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            problems.append(f"{n[key]}={value!r}: must be an integer >= 1")
-    if problems:
-        return problems
-    if m < p:
-        problems.append(f"{n['n_microbatches']}={m}: fewer microbatches than pipeline stages "
-                        f"({n['n_stages']}={p}) leaves stages with nothing to run; use at least {p}")
-    elif kind == "interleaved" and m % p:
-        problems.append(f"{n['n_microbatches']}={m}: the interleaved schedule sends microbatches "
-                        f"round the stages in groups of {n['n_stages']}={p}; use a multiple of {p} "
-                        f"({m - m % p} or {m - m % p + p})")
-    elif kind == "dualpipe_v" and m < 2 * p:
-        problems.append(f"{n['n_microbatches']}={m}: dualpipe_v needs two microbatches per stage "
-                        f"({n['n_stages']}={p}) to fill both arms of its V; use at least {2 * p}")
-    if kind == "dualpipe_v" and v != 2:
-        problems.append(f"{n['virtual_stages']}={v}: dualpipe_v holds two chunks per stage (the arms "
-                        f"of its V); use {n['virtual_stages']}=2")
-    elif v > 1 and kind not in ("interleaved", "dualpipe_v"):
-        problems.append(f"{n['virtual_stages']}={v}: only the interleaved and dualpipe_v schedules run "
-                        f"several chunks per stage; use {n['kind']}=interleaved or {n['virtual_stages']}=1")
-    return problems
 
 
 def make_schedule(kind: Kind, n_stages: int, n_microbatches: int, virtual_stages: int = 1) -> Schedule:
