@@ -28,7 +28,7 @@ PAD_SEGMENT = -2  # left padding: a segment no real token belongs to (EMPTY mark
 
 def decoding_model(setup: Setup) -> Decoder:
     m = setup.model
-    return Decoder(m.cfg, m.policy, m.rules, m.vocab_padded, decode=True, moe=m.moe)
+    return Decoder(m.cfg, m.policy, m.rules, m.vocab_padded, decode=True, moe=m.moe, parallel=m.parallel)
 
 
 def layout_prompts(prompts: list[list[int]], batch_shards: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -78,13 +78,14 @@ class Setup:
 def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     pc = cfg.precision
     policy = Precision.from_names(pc.compute, pc.params, pc.matmul, fp8_exclude_patterns(pc), pc.fp8_amax_history)
-    layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.mesh.sequence_parallel,
+    layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.parallel.sequence_parallel,
                         n_kv_heads=cfg.model.n_kv_heads)
     model_cfg = cfg.model
     if mesh.shape["pp"] > 1 and model_cfg.attention == "auto":  # the fused kernels don't compile in a stage yet
         model_cfg = dataclasses.replace(model_cfg, attention="reference")
     model = Decoder(model_cfg, policy, layout.params, padded_vocab(cfg.model, mesh.shape["tp"]), cfg.train.remat,
-                    document_mask=cfg.data.document_mask, moe=cfg.moe if cfg.moe.enabled else None)
+                    document_mask=cfg.data.document_mask, moe=cfg.moe if cfg.moe.enabled else None,
+                    parallel=cfg.parallel)
     optimizer = make_optimizer(cfg.train)
 
     tokens_spec = jax.ShapeDtypeStruct((cfg.train.global_batch // cfg.train.grad_accum, cfg.data.seq_len), jnp.int32)
@@ -116,7 +117,7 @@ def make_batches(setup: Setup, split: str = "train") -> Batches:
     c = setup.cfg
     return Batches(c.data, vocab_size=c.model.vocab_size, global_batch=c.train.global_batch,
                    grad_accum=c.train.grad_accum, seed=c.train.seed, sharding=setup.batch_sharding,
-                   cp=setup.mesh.shape["cp"], cp_layout=c.model.cp_layout, split=split)
+                   cp=setup.mesh.shape["cp"], cp_layout=c.parallel.cp_layout, split=split)
 
 
 def init_state(setup: Setup) -> TrainState:

@@ -19,7 +19,7 @@ from meshtrain.config.loading import (
 from meshtrain.config.presets import LLAMA2, LLAMA3, LLAMA31, PRESETS
 from meshtrain.config.schema import (
     CHECKPOINT_POINTS, MESH_AXES, REMAT_FIXED, CheckpointConfig, Config, DataConfig, DistributedConfig, EvalConfig,
-    MeshConfig, ModelConfig, MoEConfig, PipelineConfig, PrecisionConfig, RunConfig, TrainConfig,
+    MeshConfig, ModelConfig, MoEConfig, ParallelConfig, PipelineConfig, PrecisionConfig, RunConfig, TrainConfig,
     fp8_exclude_patterns, padded_vocab, profile_range, with_mesh,
 )
 from meshtrain.config.validation import (
@@ -31,7 +31,8 @@ __all__ = [
     # schema
     "MESH_AXES", "CHECKPOINT_POINTS", "REMAT_FIXED", "Config", "MeshConfig", "ModelConfig", "MoEConfig",
     "TrainConfig", "DataConfig", "PrecisionConfig", "PipelineConfig", "CheckpointConfig", "EvalConfig",
-    "DistributedConfig", "RunConfig", "padded_vocab", "fp8_exclude_patterns", "profile_range", "with_mesh",
+    "DistributedConfig", "RunConfig", "ParallelConfig",
+    "padded_vocab", "fp8_exclude_patterns", "profile_range", "with_mesh",
     # presets
     "PRESETS", "LLAMA2", "LLAMA3", "LLAMA31",
     # loading

@@ -69,8 +69,8 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     for name in ("steps", "global_batch", "grad_accum", "log_every"):
         need(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)}: must be >= 1")
     need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be >= 1")
-    need(cfg.mesh.fsdp_combine_mib >= 0, f"mesh.fsdp_combine_mib={cfg.mesh.fsdp_combine_mib}: must be >= 0 "
-                                         f"(MiB; 0 keeps XLA's own combine threshold)")
+    need(cfg.parallel.fsdp_combine_mib >= 0, f"parallel.fsdp_combine_mib={cfg.parallel.fsdp_combine_mib}: must be "
+                                             f">= 0 (MiB; 0 keeps XLA's own combine threshold)")
     need(m.head_dim >= 0, f"model.head_dim={m.head_dim}: must be >= 1, or 0 for d_model // n_heads")
     if len(problems) > n_mesh_problems:  # sizes below 1 would divide by zero in the checks that follow
         raise ConfigError(problems)
@@ -99,9 +99,9 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
              f" = {degrees['dp']}*{fsdp}*{degrees['ep']}*{t.grad_accum} = {batch_split}")
         cp, sp = degrees["cp"], degrees["sp"]
         # Context parallelism cuts the sequence into 2*cp chunks (zig-zag), each rank's share again over sp.
-        seq_split = (2 if cp > 1 else 1) * cp * sp * (tp if cfg.mesh.sequence_parallel else 1)
+        seq_split = (2 if cp > 1 else 1) * cp * sp * (tp if cfg.parallel.sequence_parallel else 1)
         what = ("2*" if cp > 1 else "") + "mesh.cp*mesh.sp" + \
-            ("*mesh.tp (sequence_parallel)" if cfg.mesh.sequence_parallel else "")
+            ("*mesh.tp (sequence_parallel)" if cfg.parallel.sequence_parallel else "")
         need(d.seq_len % seq_split == 0, f"data.seq_len={d.seq_len}: must be divisible by {what} = {seq_split}; "
                                          f"choose a multiple of {seq_split}")
         if sp > 1:  # Ulysses: each tp shard's heads are split again over sp
@@ -114,7 +114,7 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
             need(m.attention != "cudnn", f"model.attention=cudnn cannot run with the sequence split (mesh.cp={cp}, "
                                          f"mesh.sp={sp}): it masks by index only; use model.attention=pallas (or auto)")
     problems.extend(validate_moe(cfg, degrees if ok_mesh else None, tp))
-    if ok_mesh and tp > 1 and m.tp_overlap == "collective_matmul":
+    if ok_mesh and tp > 1 and cfg.parallel.tp_overlap == "collective_matmul":
         problems.extend(collective_matmul_problems(cfg, degrees))
     if ok_mesh and degrees["pp"] > 1:
         problems.extend(pipeline_problems(cfg, degrees["pp"]))
@@ -301,19 +301,20 @@ def pipeline_problems(cfg: Config, pp: int) -> list[str]:
 
 
 def collective_matmul_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
-    """model.tp_overlap=collective_matmul (parallel/collective_matmul.py): where its ring applies."""
-    fix = "or use model.tp_overlap=none"
+    """parallel.tp_overlap=collective_matmul (parallel/collective_matmul.py): where its ring applies."""
+    fix = "or use parallel.tp_overlap=none"
     problems = []
-    if not cfg.mesh.sequence_parallel:
-        problems.append(f"model.tp_overlap=collective_matmul with mesh.tp={degrees['tp']} needs "
-                        f"mesh.sequence_parallel=true (it overlaps sequence parallelism's collectives); set it, {fix}")
+    if not cfg.parallel.sequence_parallel:
+        problems.append(f"parallel.tp_overlap=collective_matmul with mesh.tp={degrees['tp']} needs "
+                        f"parallel.sequence_parallel=true (it overlaps sequence parallelism's collectives); set it, "
+                        f"{fix}")
     if degrees["cp"] * degrees["sp"] > 1 or degrees["pp"] > 1:
-        problems.append(f"model.tp_overlap=collective_matmul with mesh.cp={degrees['cp']}, mesh.sp={degrees['sp']}, "
+        problems.append(f"parallel.tp_overlap=collective_matmul with mesh.cp={degrees['cp']}, mesh.sp={degrees['sp']}, "
                         f"mesh.pp={degrees['pp']}: it runs with tp alone splitting the sequence; set them to 1, {fix}")
     if cfg.precision.matmul != "bf16":
-        problems.append(f"model.tp_overlap=collective_matmul with precision.matmul={cfg.precision.matmul}: it runs "
+        problems.append(f"parallel.tp_overlap=collective_matmul with precision.matmul={cfg.precision.matmul}: it runs "
                         f"the bf16 recipe only; set precision.matmul=bf16, {fix}")
     if cfg.moe.n_experts:
-        problems.append(f"model.tp_overlap=collective_matmul with moe.n_experts={cfg.moe.n_experts}: MoE models "
+        problems.append(f"parallel.tp_overlap=collective_matmul with moe.n_experts={cfg.moe.n_experts}: MoE models "
                         f"are not supported yet; {fix}")
     return problems

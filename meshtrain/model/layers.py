@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from meshtrain.config import ModelConfig
+from meshtrain.config import ModelConfig, ParallelConfig
 from meshtrain import fp8
 from meshtrain.parallel import collective_matmul
 from meshtrain.precision import Precision
@@ -47,8 +47,9 @@ def site_matmul(module: nn.Module, site: str, subscripts: str, x: jax.Array, w: 
 
 
 def ring_tp(module: nn.Module) -> bool:
-    """Does this layer run its tp matmuls as collective matmuls (model.tp_overlap, parallel/collective_matmul.py)?"""
-    return collective_matmul.active(module.cfg.tp_overlap, module.rules) and not getattr(module, "decode", False)
+    """Does this layer run its tp matmuls as collective matmuls (parallel.tp_overlap, parallel/collective_matmul.py)?
+    Attention and SwiGLU carry the ParallelConfig as their `parallel` field."""
+    return collective_matmul.active(module.parallel.tp_overlap, module.rules) and not getattr(module, "decode", False)
 
 
 def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
@@ -152,6 +153,7 @@ class SwiGLU(nn.Module):
     policy: Precision
     rules: ShardingRules
     out_std: float
+    parallel: ParallelConfig = ParallelConfig()
 
     @nn.compact
     def __call__(self, x_btd: jax.Array) -> jax.Array:

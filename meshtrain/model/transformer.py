@@ -25,7 +25,7 @@ import flax.struct
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from meshtrain.config import ModelConfig, MoEConfig
+from meshtrain.config import ModelConfig, MoEConfig, ParallelConfig
 from meshtrain.model.attention import attention
 from meshtrain.model.embedding import embedding_lookup
 from meshtrain.model.kv_cache import cached_attention
@@ -63,6 +63,7 @@ class Attention(nn.Module):
     out_std: float
     document_mask: bool
     decode: bool = False  # generation: keep a KV cache (model/kv_cache.py)
+    parallel: ParallelConfig = ParallelConfig()
 
     @nn.compact
     def __call__(self, x_btd: jax.Array, info: SeqInfo) -> jax.Array:
@@ -96,8 +97,8 @@ class Attention(nn.Module):
             o_bthe = cached_attention(self, q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, r)
         else:
             o_bthe = attention(q_bthe, k_btke, v_btke, info.positions_bt, info.segment_ids_bt, impl=c.attention,
-                               document_mask=self.document_mask, rules=r, cp_impl=c.cp_impl,
-                               cp_layout=c.cp_layout, kernel=c.attention_kernel)
+                               document_mask=self.document_mask, rules=r, cp_impl=self.parallel.cp_impl,
+                               cp_layout=self.parallel.cp_layout, kernel=c.attention_kernel)
         o_bthe = checkpoint_name(r.constrain(o_bthe, q_names), "attn_out")
         if ring:
             out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, q_names,
@@ -114,16 +115,18 @@ class Block(nn.Module):
     document_mask: bool = False
     decode: bool = False
     moe: MoEConfig | None = None  # set: the FFN is a mixture of experts
+    parallel: ParallelConfig = ParallelConfig()
 
     @nn.compact
     def __call__(self, x_btd: jax.Array, info: SeqInfo) -> tuple[jax.Array, None]:
         c, p, r = self.cfg, self.policy, self.rules
         out_std = c.init_std / (2 * c.n_layers) ** 0.5  # residual branches start small (GPT-2 scaling)
         h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="attn_norm")(x_btd)
-        attn = Attention(c, p, r, out_std, self.document_mask, self.decode, name="attn")
+        attn = Attention(c, p, r, out_std, self.document_mask, self.decode, self.parallel, name="attn")
         x_btd = r.constrain(x_btd + attn(h_btd, info), RESIDUAL)
         h_btd = RMSNorm(c.norm_eps, p, r, c.norm, name="mlp_norm")(x_btd)
-        ffn = MoE(c, self.moe, p, r, out_std, name="moe") if self.moe else SwiGLU(c, p, r, out_std, name="mlp")
+        ffn = (MoE(c, self.moe, p, r, out_std, name="moe") if self.moe
+               else SwiGLU(c, p, r, out_std, self.parallel, name="mlp"))
         x_btd = r.constrain(x_btd + ffn(h_btd), RESIDUAL)
         return x_btd, None  # (carry, per-layer output) as nn.scan expects
 
@@ -140,19 +143,21 @@ class UnrolledStack(nn.Module):
     document_mask: bool
     decode: bool = False
     moe: MoEConfig | None = None
+    parallel: ParallelConfig = ParallelConfig()
 
     @nn.compact
     def __call__(self, x_btd: jax.Array, info: SeqInfo) -> tuple[jax.Array, None]:
         for i in range(self.n_layers):
             moe = self.moe if self.moe and self.moe.is_moe_layer(i) else None
             block = self.block(self.cfg, self.policy, self.rules, self.document_mask, self.decode, moe,
-                               name=f"layer_{i}")
+                               self.parallel, name=f"layer_{i}")
             x_btd, _ = block(x_btd, info)
         return x_btd, None
 
 
 def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, *, n_layers: int, remat: str = "none",
-                document_mask: bool = False, decode: bool = False, moe: MoEConfig | None = None) -> nn.Module:
+                document_mask: bool = False, decode: bool = False, moe: MoEConfig | None = None,
+                parallel: ParallelConfig = ParallelConfig()) -> nn.Module:
     """A module running `n_layers` blocks: (x [B, T, D], SeqInfo) -> (x, None); params stacked on L when
     scanned. A pipeline stage builds one with its share of the layers and applies it to its slice."""
     moe = moe if moe is not None and moe.enabled else None
@@ -162,15 +167,15 @@ def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, *, n_
         # prevent_cse only matters outside scan; inside it would block useful fusions.
         block = nn.remat(Block, policy=policy_fn, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
-        return UnrolledStack(block, cfg, policy, rules, n_layers, document_mask, decode, moe)
+        return UnrolledStack(block, cfg, policy, rules, n_layers, document_mask, decode, moe, parallel)
     # fp8 amax histories, the decode cache, sown auxiliary losses and router metrics stack on `layers` like
     # the params: one per layer (or per group of moe.every layers).
     scan = partial(nn.scan, variable_axes={"params": 0, "cache": 0, FP8_META: 0, LOSSES: 0, METRICS: 0},
                    split_rngs={"params": True}, in_axes=(nn.broadcast,), metadata_params={nn.PARTITION_NAME: "layers"})
     if moe is None or moe.every == 1:
-        return scan(block, length=n_layers)(cfg, policy, rules, document_mask, decode, moe)
+        return scan(block, length=n_layers)(cfg, policy, rules, document_mask, decode, moe, parallel)
     return scan(UnrolledStack, length=n_layers // moe.every)(block, cfg, policy, rules, moe.every, document_mask,
-                                                             decode, moe)
+                                                             decode, moe, parallel)
 
 
 def unrolled_layers(stacked: dict, n_layers: int, every: int = 1) -> dict:
@@ -211,13 +216,14 @@ class Decoder(nn.Module):
     document_mask: bool = False
     decode: bool = False  # generation: every attention keeps a KV cache (collection "cache")
     moe: MoEConfig | None = None
+    parallel: ParallelConfig = ParallelConfig()  # how the parallel axes run (tp overlap, cp ring or all-gather)
 
     def setup(self) -> None:
         c, p, r = self.cfg, self.policy, self.rules
         self.embedding = param(self, "embedding", scaled_normal(c.init_std), (self.vocab_padded, c.d_model),
                                ("vocab", "embed"), p.param_dtype)
         self.layers = block_stack(c, p, r, n_layers=c.n_layers, remat=self.remat, document_mask=self.document_mask,
-                                  decode=self.decode, moe=self.moe)
+                                  decode=self.decode, moe=self.moe, parallel=self.parallel)
         self.final_norm = RMSNorm(c.norm_eps, p, r, c.norm)
         if not c.tie_embeddings:
             self.lm_head = param(self, "lm_head", scaled_normal(c.d_model ** -0.5), (c.d_model, self.vocab_padded),

@@ -48,7 +48,7 @@ def chunk_ops(cfg: Config, decoder: Decoder, rules: ShardingRules, n_layers: int
     to the mesh the ops run on (inside the executor: the abstract mesh with pp manual)."""
     policy = decoder.policy
     stack = block_stack(cfg.model, policy, rules, n_layers=n_layers, remat=cfg.train.remat,
-                        document_mask=cfg.data.document_mask)
+                        document_mask=cfg.data.document_mask, parallel=cfg.parallel)
 
     def run(lp, x_btd, mb: Batch):
         return stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, cfg.model, rules))[0]

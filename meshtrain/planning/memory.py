@@ -51,13 +51,14 @@ class Layout:
     def of(cls, cfg: Config) -> "Layout":
         return cls({a: getattr(cfg.mesh, a) for a in AXES}, cfg.train.zero_stage, cfg.train.remat,
                    cfg.train.global_batch // cfg.train.grad_accum, cfg.train.grad_accum,
-                   cfg.mesh.sequence_parallel)
+                   cfg.parallel.sequence_parallel)
 
     def overrides(self) -> list[str]:
         """The config overrides that select this layout."""
         return ([f"mesh.{a}={self.degrees[a]}" for a in AXES] +
                 [f"train.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
-                 f"train.grad_accum={self.grad_accum}", f"mesh.sequence_parallel={str(self.sequence_parallel).lower()}"])
+                 f"train.grad_accum={self.grad_accum}",
+                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"])
 
     def label(self) -> str:
         mesh = " ".join(f"{a}{n}" for a, n in self.degrees.items() if n > 1) or "1 device"
