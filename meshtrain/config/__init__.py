@@ -7,10 +7,11 @@ the field, the value and the fix, and `validate()` reports every problem at once
   presets.py     model presets (`model.preset`)
   loading.py     defaults <- preset <- YAML <- overrides: build_config, load_config, to_yaml, help_text
   from_hf.py     a Hugging Face config.json as model fields, for checkpoint.init_from=hf:DIR
-  validation.py  ConfigError and validate() with its per-section checks
+  validation.py  ConfigError and validate(), with the checks of the model and its layout over the mesh
+  run_checks.py  validate()'s checks of how the run trains and records (train, precision, data, eval, ...)
 
 Outside the package, import `from meshtrain.config import ...` (from_hf's names through meshtrain.hf.config).
-Inside, imports point one way: schema <- validation <- from_hf <- loading, presets stand alone; nothing
+Inside, imports point one way: schema <- run_checks <- validation <- from_hf <- loading, presets stand alone; nothing
 here imports the rest of meshtrain except validation's lazy, jax-free parallel.schedules.
 """
 from meshtrain.config.loading import (
@@ -22,10 +23,8 @@ from meshtrain.config.schema import (
     MeshConfig, ModelConfig, MoEConfig, ParallelConfig, PipelineConfig, PrecisionConfig, RunConfig, TrainConfig,
     fp8_exclude_patterns, padded_vocab, profile_range, with_mesh,
 )
-from meshtrain.config.validation import (
-    ConfigError, pipeline_problems, precision_problems, profile_problems, resolve_mesh, validate, validate_moe,
-    validate_new_sections,
-)
+from meshtrain.config.run_checks import precision_problems, profile_problems
+from meshtrain.config.validation import ConfigError, moe_problems, pipeline_problems, resolve_mesh, validate
 
 __all__ = [
     # schema
@@ -38,6 +37,6 @@ __all__ = [
     # loading
     "all_keys", "build_config", "load_config", "to_yaml", "help_text", "cpu_default_overrides",
     # validation
-    "ConfigError", "validate", "resolve_mesh", "validate_moe", "validate_new_sections", "profile_problems",
-    "precision_problems", "pipeline_problems",
+    "ConfigError", "validate", "resolve_mesh", "moe_problems", "profile_problems", "precision_problems",
+    "pipeline_problems",
 ]
