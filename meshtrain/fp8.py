@@ -28,15 +28,18 @@ dtype. A value v is stored as clip(v / s) in fp8 and stands for s * that.
 from __future__ import annotations
 
 from functools import partial
+from typing import get_args, get_type_hints
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshtrain.config import PrecisionConfig
+
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 TILE = 128  # DeepSeek-V3's tile: 1 x 128 for activations and gradients, 128 x 128 for weights
-RECIPES = ("bf16", "fp8", "fp8_delayed", "fp8_blockwise")
+RECIPES = get_args(get_type_hints(PrecisionConfig)["matmul"])  # precision.matmul's choices: bf16, fp8, ...
 HISTORY_KEYS = ("x", "w", "g")  # fp8_delayed: one amax history per operand (input, weight, gradient)
 
 

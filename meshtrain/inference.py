@@ -94,7 +94,7 @@ def with_vocab_rows(setup: Setup, rows: int) -> Setup:
 
 def _setup(cfg: Config) -> Setup:
     # Inference runs one sequence axis per device group: Megatron SP would split 1-token steps over tp.
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, sequence_parallel=False))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
     degrees = validate(cfg, jax.device_count())
     cfg = with_mesh(cfg, degrees)
     return build_setup(cfg, build_mesh(degrees))

@@ -47,7 +47,7 @@ def summary_lines(r) -> list[tuple[str, str]]:
         ("model", f"{c.model.preset}: {c.model.n_layers} layers, d_model {c.model.d_model}, "
                   f"ZeRO-{c.train.zero_stage}, remat {c.train.remat}, {c.precision.compute}"),
         ("batch", f"{c.train.global_batch} x {c.data.seq_len} tokens, grad_accum {c.train.grad_accum}"
-                  + (", sequence_parallel" if c.mesh.sequence_parallel else "")),
+                  + (", sequence_parallel" if c.parallel.sequence_parallel else "")),
         ("execution", r.execution.describe()),
         ("parameters", f"{r.params:,}"),
         ("FLOPs/step", f"{r.flops_per_step:.4g} XLA   {r.formula_flops_per_step:.4g} 6N+attention   "

@@ -6,7 +6,7 @@ autotuner compiles Triton candidates for every fp8 dot; on one H100 (jax 0.11.2)
 it compiled and ran in 49 s in all, every fp8 dot a cuBLASLt fp8 GEMM (docs/PERFORMANCE.md). bf16 runs
 are left alone: their GEMMs go to cuBLAS either way.
 
-Tensor parallelism with `model.tp_overlap=windowed_einsum`: XLA's SPMD partitioner turns a matmul whose
+Tensor parallelism with `parallel.tp_overlap=windowed_einsum`: XLA's SPMD partitioner turns a matmul whose
 operand must first be all-gathered over tp (sequence parallelism's gather before the column-parallel
 matmuls) or whose result is reduce-scattered (after the row-parallel ones) into a loop of partial
 matmuls, each overlapped with the collective-permute that brings the next shard ("collective matmul";
@@ -17,7 +17,7 @@ fsdp's weight gathers, which the latency-hiding scheduler already overlaps. Meas
 (docs/PERFORMANCE.md): right (losses within 4e-4 of fsdp) but its steps take 15-16% longer than
 without it on an 8B-shaped stack, so it is not the default.
 
-FSDP (`mesh.fsdp_combine_mib`, default 128): XLA combines the per-layer all-gathers and reduce-scatters
+FSDP (`parallel.fsdp_combine_mib`, default 128): XLA combines the per-layer all-gathers and reduce-scatters
 of the sharded weights and gradients into collectives of up to this size. On 2 H100s with the 1B config
 and ZeRO-3 this took the step from 296.6-297.4 to 292.5-293.4 ms (two interleaved pairs in one call);
 512 MiB gave 295.7 ms, and the 8B-shaped stack did not move (274.0 vs 273.4 ms). A later call, with
@@ -66,7 +66,8 @@ def apply_config(cfg, environ=os.environ) -> list[str]:
     m = cfg.mesh
     if cfg.run.gpu_memory_fraction and MEM_FRACTION_VAR not in environ:
         environ[MEM_FRACTION_VAR] = str(cfg.run.gpu_memory_fraction)
-    return apply(flags_for(cfg.precision.matmul, m.tp, cfg.model.tp_overlap, m.fsdp, m.fsdp_combine_mib), environ)
+    return apply(flags_for(cfg.precision.matmul, m.tp, cfg.parallel.tp_overlap, m.fsdp, cfg.parallel.fsdp_combine_mib),
+                 environ)
 
 
 def gpu_memory_fraction(environ=os.environ) -> float:

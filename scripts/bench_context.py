@@ -163,7 +163,7 @@ def step_rows(a) -> list[dict]:
     seq = 256 if a.tiny else 32768
     model = ["model.preset=tiny", "model.n_heads=4", "model.n_kv_heads=4"] if a.tiny else MODELS["llama1b"]
     attn = "reference" if a.tiny else "pallas"
-    layouts = {"cp=2": ["mesh.cp=2"], "sp=2": ["mesh.sp=2"], "tp=2+SP": ["mesh.tp=2", "mesh.sequence_parallel=true"]}
+    layouts = {"cp=2": ["mesh.cp=2"], "sp=2": ["mesh.sp=2"], "tp=2+SP": ["mesh.tp=2", "parallel.sequence_parallel=true"]}
     rows = []
     for name, mesh in layouts.items():
         row = dict(part="c", name=f"1B step, T={seq}, {name}" if not a.tiny else f"tiny step, T={seq}, {name}")

@@ -11,7 +11,7 @@
 # tiny: the tiny model, to try the script itself (on CPUs: XLA_FLAGS=--xla_force_host_platform_device_count=2
 # JAX_PLATFORMS=cpu N_GPUS=2; there "one GPU" is every CPU device).
 # Layouts over all N visible GPUs: fsdp=N (ZeRO-3); tp=N with sequence parallelism, plain and with each
-# model.tp_overlap; and, for N >= 4, fsdp=N/2 x tp=2 with SP. Results: $OUT_DIR/layouts.jsonl, and a
+# parallel.tp_overlap; and, for N >= 4, fsdp=N/2 x tp=2 with SP. Results: $OUT_DIR/layouts.jsonl, and a
 # table on stdout with per-GPU throughput against one GPU and against the fsdp layout. LAYOUTS="fsdp tp" (names
 # below) runs a subset.
 set -uo pipefail
@@ -33,13 +33,13 @@ if ((N < 2)); then
     exit 2
 fi
 BATCH=$((PER_GPU * N))
-SP=(mesh.fsdp=1 "mesh.tp=$N" mesh.sequence_parallel=true)
+SP=(mesh.fsdp=1 "mesh.tp=$N" parallel.sequence_parallel=true)
 declare -A RUN=(
     [fsdp]="mesh.fsdp=-1 train.zero_stage=3"
     [tp]="${SP[*]}"
-    [tp_ring]="${SP[*]} model.tp_overlap=collective_matmul"
-    [tp_windowed]="${SP[*]} model.tp_overlap=windowed_einsum"
-    [fsdp_tp2]="mesh.fsdp=-1 mesh.tp=2 mesh.sequence_parallel=true train.zero_stage=3"
+    [tp_ring]="${SP[*]} parallel.tp_overlap=collective_matmul"
+    [tp_windowed]="${SP[*]} parallel.tp_overlap=windowed_einsum"
+    [fsdp_tp2]="mesh.fsdp=-1 mesh.tp=2 parallel.sequence_parallel=true train.zero_stage=3"
 )
 ORDER=(fsdp tp tp_ring tp_windowed)
 ((N >= 4)) && ORDER+=(fsdp_tp2)

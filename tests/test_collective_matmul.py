@@ -1,5 +1,5 @@
 """parallel/tensor.py: the tp rings equal the plain matmuls, values and gradients, and move
-activations only by collective-permutes over tp. (The whole model with model.tp_overlap=collective_matmul
+activations only by collective-permutes over tp. (The whole model with parallel.tp_overlap=collective_matmul
 against one device is in tests/test_equivalence.py.)
 
 fp32 with HIGHEST precision: the rings only reorder the sums over tp, so 1e-5 relative."""
@@ -95,22 +95,22 @@ def test_active_only_where_the_sequence_is_split_over_tp():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["mesh.fsdp=4", "mesh.tp=2"], "needs mesh.sequence_parallel=true"),
-    (["mesh.fsdp=2", "mesh.cp=2", "mesh.tp=2", "mesh.sequence_parallel=true"], "mesh.cp=2"),
-    (["mesh.fsdp=4", "mesh.tp=2", "mesh.sequence_parallel=true", "precision.matmul=fp8"], "precision.matmul=fp8"),
+    (["mesh.fsdp=4", "mesh.tp=2"], "needs parallel.sequence_parallel=true"),
+    (["mesh.fsdp=2", "mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true"], "mesh.cp=2"),
+    (["mesh.fsdp=4", "mesh.tp=2", "parallel.sequence_parallel=true", "precision.matmul=fp8"], "precision.matmul=fp8"),
 ])
 def test_where_the_ring_cannot_run_is_a_config_error(overrides, expected):
     with pytest.raises(ConfigError) as err:
-        validate(tiny_config(*overrides, "model.tp_overlap=collective_matmul"), 8)
+        validate(tiny_config(*overrides, "parallel.tp_overlap=collective_matmul"), 8)
     problems = [p for p in err.value.problems if "tp_overlap" in p]
-    assert len(problems) == 1 and expected in problems[0] and "model.tp_overlap=none" in problems[0], problems
+    assert len(problems) == 1 and expected in problems[0] and "parallel.tp_overlap=none" in problems[0], problems
 
 
 def test_ring_under_remat_and_unrolled_layers_matches_plain_tp():
     """The rings inside rematerialized, unrolled layers (as the GPU configs run them) train like GSPMD's
     tp + SP: fp32 losses over 3 steps to 1e-5."""
-    base = ["mesh.fsdp=4", "mesh.tp=2", "mesh.sequence_parallel=true", "train.zero_stage=3",
+    base = ["mesh.fsdp=4", "mesh.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=3",
             "model.scan_layers=false", "train.remat=save_dots"]
     plain = train_losses(make_setup(tiny_config(*base), 8), 3)
-    ring = train_losses(make_setup(tiny_config(*base, "model.tp_overlap=collective_matmul"), 8), 3)
+    ring = train_losses(make_setup(tiny_config(*base, "parallel.tp_overlap=collective_matmul"), 8), 3)
     np.testing.assert_allclose(ring, plain, rtol=1e-5)

@@ -66,7 +66,7 @@ BAD = [
                  ["train.global_batch=18", "2*2*1*3 = 12"], id="global-batch-not-divisible"),
     pytest.param(["model.preset=tiny_moe", "mesh.ep=4", "mesh.fsdp=2", "train.global_batch=12"], None,
                  ["train.global_batch=12", "mesh.ep", "1*2*4*1 = 8"], id="global-batch-not-divisible-by-ep"),
-    pytest.param(["mesh.tp=2", "mesh.sequence_parallel=true", "data.seq_len=63"], None,
+    pytest.param(["mesh.tp=2", "parallel.sequence_parallel=true", "data.seq_len=63"], None,
                  ["data.seq_len=63", "mesh.tp", "= 2"], id="seq-len-not-divisible-with-sequence-parallel"),
     pytest.param(["train.global_batch=0"], None, ["train.global_batch=0", ">= 1"], id="global-batch-zero"),
     # ---- parallelism not built yet
@@ -129,12 +129,21 @@ BAD = [
                  id="unknown-section-override"),
     pytest.param([], {"trian": {"steps": 3}}, ["'trian'", "did you mean 'train'"], id="unknown-section-yaml"),
     pytest.param([], {"train": {"stpes": 3}}, ["train.stpes", "did you mean 'train.steps'"], id="unknown-key-yaml"),
+    pytest.param(["parallel.tp_overlapp=none"], None, ["parallel.tp_overlapp", "did you mean 'parallel.tp_overlap'"],
+                 id="unknown-key-typo-parallel"),
+    pytest.param(["model.cp_imp=ring"], None, ["model.cp_imp", "did you mean 'parallel.cp_impl'"],
+                 id="unknown-key-typo-of-an-old-spelling"),
+    pytest.param(["mesh.sequence_parallel=true", "parallel.sequence_parallel=true"], None,
+                 ["mesh.sequence_parallel and parallel.sequence_parallel are both given", "keep only parallel."],
+                 id="old-and-new-spelling"),
+    pytest.param([], {"model": {"cp_layout": "contiguous"}, "parallel": {"cp_layout": "zigzag"}},
+                 ["model.cp_layout and parallel.cp_layout are both given"], id="old-and-new-spelling-yaml"),
     pytest.param([], {"train": [1, 2]}, ["section 'train'", "mapping"], id="section-not-a-mapping"),
     pytest.param([], {7: {"steps": 3}}, ["'7'", "valid keys"], id="section-name-not-a-string"),
     pytest.param(["train.steps=abc"], None, ["train.steps='abc'", "integer"], id="bad-type-int"),
     pytest.param(["train.steps=2.5"], None, ["train.steps=2.5", "integer"], id="bad-type-fractional-int"),
     pytest.param(["train.lr=fast"], None, ["train.lr='fast'", "number"], id="bad-type-float"),
-    pytest.param(["mesh.sequence_parallel=maybe"], None, ["mesh.sequence_parallel='maybe'", "true or false"],
+    pytest.param(["parallel.sequence_parallel=maybe"], None, ["parallel.sequence_parallel='maybe'", "true or false"],
                  id="bad-type-bool"),
     pytest.param(["precision.compute=fp8"], None, ["precision.compute='fp8'", "bfloat16"], id="bad-literal"),
     pytest.param(["model.attention=flash"], None, ["model.attention='flash'", "cudnn"], id="bad-literal-attention"),
@@ -164,7 +173,7 @@ GOOD = [
                  id="dp2-fsdp2-tp2-accum2"),
     pytest.param(["mesh.tp=4", "model.n_kv_heads=2"], dict(fsdp=2, tp=4), id="kv-heads-fewer-than-tp-replicate"),
     pytest.param(["mesh.tp=2", "data.seq_len=63"], dict(fsdp=4, tp=2), id="odd-seq-len-without-sequence-parallel"),
-    pytest.param(["mesh.tp=2", "mesh.sequence_parallel=true", "data.seq_len=62"], dict(fsdp=4, tp=2),
+    pytest.param(["mesh.tp=2", "parallel.sequence_parallel=true", "data.seq_len=62"], dict(fsdp=4, tp=2),
                  id="even-seq-len-with-sequence-parallel"),
     pytest.param(["mesh.cp=2", "mesh.sp=2", "data.seq_len=72"], dict(fsdp=2, cp=2, sp=2),
                  id="cp-sp-seq-len-divisible-by-2cp-sp"),
@@ -229,7 +238,7 @@ def test_precedence_defaults_preset_yaml_override():
 @pytest.mark.parametrize("override,key,value", [
     ("train.lr=1e-3", ("train", "lr"), 1e-3),
     ("train.steps=1e3", ("train", "steps"), 1000),
-    ("mesh.sequence_parallel=yes", ("mesh", "sequence_parallel"), True),
+    ("parallel.sequence_parallel=yes", ("parallel", "sequence_parallel"), True),
     ("model.tie_embeddings=0", ("model", "tie_embeddings"), False),
     ("run.dir=010", ("run", "dir"), "010"),  # YAML 1.1 would read an octal 8
     ("distributed.coordinator=10:30", ("distributed", "coordinator"), "10:30"),  # ... and base-60 630
@@ -251,6 +260,47 @@ def test_yaml_file_round_trips(tmp_path):
     assert back == cfg
     assert back != Config()  # the overrides did change something, so equality above means something
     assert yaml.safe_load(path.read_text())["model"]["n_layers"] == 3
+
+
+OLD_SPELLINGS = [  # (old override, the parallel field it sets, its value)
+    ("mesh.sequence_parallel=true", "sequence_parallel", True),
+    ("mesh.fsdp_combine_mib=64", "fsdp_combine_mib", 64),
+    ("model.tp_overlap=windowed_einsum", "tp_overlap", "windowed_einsum"),
+    ("model.cp_impl=allgather", "cp_impl", "allgather"),
+    ("model.cp_layout=contiguous", "cp_layout", "contiguous"),
+]
+
+
+@pytest.mark.parametrize("override,name,value", OLD_SPELLINGS, ids=lambda v: v if isinstance(v, str) else None)
+def test_old_spelling_loads_into_the_parallel_section_with_one_note(override, name, value, capsys):
+    old = override.split("=")[0]
+    file_values = {old.split(".")[0]: {old.split(".")[1]: value}}  # the same key in the file, too: one note
+    cfg = build_config(file_values, [override])
+    assert getattr(cfg.parallel, name) == value and getattr(cfg.parallel, name) != getattr(Config().parallel, name)
+    assert capsys.readouterr().err.splitlines() == [
+        f"config: {old} is now parallel.{name} (the old spelling is accepted until the next release)"]
+    assert build_config(None, [f"parallel.{name}={override.split('=')[1]}"]) == cfg  # the new spelling: same config
+    assert capsys.readouterr().err == ""
+
+
+def test_old_spelling_and_new_in_different_layers_override_as_usual():
+    # A dumped config (inspect --diff, the planner) holds every new key; an old override still wins over it.
+    base = build_config(None, ["model.cp_impl=allgather"]).to_dict()
+    assert build_config(base, ["model.cp_impl=ring"]).parallel.cp_impl == "ring"
+    assert build_config({"model": {"cp_impl": "allgather"}}, ["parallel.cp_impl=ring"]).parallel.cp_impl == "ring"
+
+
+def test_yaml_file_with_old_keys_loads_and_prints_the_new_section(tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text("mesh: {fsdp: 4, tp: 2, sequence_parallel: true, fsdp_combine_mib: 0}\n"
+                    "model: {preset: tiny, tp_overlap: collective_matmul, cp_impl: allgather, cp_layout: contiguous}\n")
+    cfg = load_config(path)
+    assert dataclasses.astuple(cfg.parallel) == (True, 0, "collective_matmul", "allgather", "contiguous")
+    assert validate(cfg, N_DEVICES) == dict(pp=1, dp=1, fsdp=4, ep=1, cp=1, sp=1, tp=2)
+    assert len(capsys.readouterr().err.splitlines()) == 5  # one note per old key
+    printed = yaml.safe_load(to_yaml(cfg))
+    assert printed["parallel"]["tp_overlap"] == "collective_matmul" and "sequence_parallel" not in printed["mesh"]
+    assert "cp_impl" not in printed["model"]
 
 
 def test_yaml_file_with_overrides_and_errors(tmp_path):
@@ -333,6 +383,7 @@ def test_cli_help_lists_keys_with_defaults():
     assert re.search(r"mesh\.tp\s+int\s+default 2 \(this CPU-only machine's run without --config; 1 otherwise\)",
                      r.stdout)
     assert re.search(r"precision\.compute\s+float32\|bfloat16\|float16\s+default 'bfloat16'", r.stdout)
+    assert re.search(r"parallel\.tp_overlap\s+none\|windowed_einsum\|collective_matmul\s+default 'none'", r.stdout)
 
 
 def test_cli_print_config_reflects_overrides_and_round_trips(tmp_path):

@@ -27,12 +27,12 @@ DOCS = ("data.document_mask=true", f"data.eos_id={EOS}")
 CASES = {
     "cp2_fsdp4_zero3": ("mesh.cp=2", "mesh.fsdp=4", "train.zero_stage=3"),
     "cp4_dp2": ("mesh.cp=4", "mesh.dp=2", "mesh.fsdp=1"),
-    "cp4_dp2_contiguous": ("mesh.cp=4", "mesh.dp=2", "mesh.fsdp=1", "model.cp_layout=contiguous"),
-    "cp8_allgather_accum2": ("mesh.cp=8", "mesh.fsdp=1", "model.cp_impl=allgather", "train.grad_accum=2"),
+    "cp4_dp2_contiguous": ("mesh.cp=4", "mesh.dp=2", "mesh.fsdp=1", "parallel.cp_layout=contiguous"),
+    "cp8_allgather_accum2": ("mesh.cp=8", "mesh.fsdp=1", "parallel.cp_impl=allgather", "train.grad_accum=2"),
     "sp2_fsdp4": ("mesh.sp=2", "mesh.fsdp=4"),
     "sp4_fsdp2": ("mesh.sp=4", "mesh.fsdp=2"),
     "cp2_sp2_tp2": ("mesh.cp=2", "mesh.sp=2", "mesh.tp=2", "mesh.fsdp=1"),
-    "cp2_fsdp2_tp2_seqpar_zero3": ("mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "mesh.sequence_parallel=true",
+    "cp2_fsdp2_tp2_seqpar_zero3": ("mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "parallel.sequence_parallel=true",
                                    "train.zero_stage=3"),
     "cp2_fsdp2_tp2_pallas": ("mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "model.attention=pallas"),
 }
@@ -131,7 +131,7 @@ def _problems(*overrides: str, devices: int = 8) -> list[str]:
 @pytest.mark.parametrize("overrides, expected", [
     (("mesh.cp=2", "mesh.sp=2", "mesh.fsdp=2", "data.seq_len=12"),
      r"^data.seq_len=12: must be divisible by 2\*mesh.cp\*mesh.sp = 8; choose a multiple of 8$"),
-    (("mesh.cp=2", "mesh.tp=2", "mesh.fsdp=2", "mesh.sequence_parallel=true", "data.seq_len=12"),
+    (("mesh.cp=2", "mesh.tp=2", "mesh.fsdp=2", "parallel.sequence_parallel=true", "data.seq_len=12"),
      r"^data.seq_len=12: must be divisible by 2\*mesh.cp\*mesh.sp\*mesh.tp \(sequence_parallel\) = 8"),
     (("mesh.sp=8", "mesh.fsdp=1"), r"^model.n_heads=4: must be divisible by mesh.tp\*mesh.sp = 8 .* lower mesh.sp$"),
     (("mesh.sp=4", "mesh.fsdp=2", "model.n_heads=12", "model.n_kv_heads=3", "model.head_dim=16"),

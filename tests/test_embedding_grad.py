@@ -88,7 +88,7 @@ def test_sorted_segment_sum_unsorted_input_and_table_ends():
 
 # Sequence parallelism splits the tokens over tp as well as the batch over fsdp, so the backward's
 # per-shard sorts cut both token dims; fsdp=4, tp=2 is asymmetric so that a swapped split shows.
-SHARDED = {"mesh.fsdp": 4, "mesh.tp": 2, "mesh.sequence_parallel": "true", "train.zero_stage": 3}
+SHARDED = {"mesh.fsdp": 4, "mesh.tp": 2, "parallel.sequence_parallel": "true", "train.zero_stage": 3}
 
 
 def loss_and_embedding_grad(setup) -> tuple[float, np.ndarray]:

@@ -14,13 +14,13 @@ LAYOUTS = {
     "fsdp8_zero2": ["mesh.fsdp=8", "train.zero_stage=2"],
     "fsdp8_zero3": ["mesh.fsdp=8", "train.zero_stage=3"],
     "fsdp2_tp4": ["mesh.fsdp=2", "mesh.tp=4", "train.zero_stage=3"],
-    "fsdp4_tp2_sp": ["mesh.fsdp=4", "mesh.tp=2", "mesh.sequence_parallel=true", "train.zero_stage=3"],
+    "fsdp4_tp2_sp": ["mesh.fsdp=4", "mesh.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=3"],
     "dp2_fsdp2_tp2": ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=2"],
     # tp + SP with the collectives as shard_map rings (parallel/tensor.py)
-    "fsdp4_tp2_sp_ring": ["mesh.fsdp=4", "mesh.tp=2", "mesh.sequence_parallel=true", "train.zero_stage=3",
-                          "model.tp_overlap=collective_matmul"],
-    "dp2_tp4_sp_ring": ["mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", "mesh.sequence_parallel=true",
-                        "model.tp_overlap=collective_matmul"],
+    "fsdp4_tp2_sp_ring": ["mesh.fsdp=4", "mesh.tp=2", "parallel.sequence_parallel=true", "train.zero_stage=3",
+                          "parallel.tp_overlap=collective_matmul"],
+    "dp2_tp4_sp_ring": ["mesh.dp=2", "mesh.fsdp=1", "mesh.tp=4", "parallel.sequence_parallel=true",
+                        "parallel.tp_overlap=collective_matmul"],
 }
 
 

@@ -17,7 +17,7 @@ def reference():
 
 @pytest.mark.parametrize("layout", [
     ["mesh.fsdp=2", "mesh.tp=4", "train.zero_stage=3"],  # kv heads replicated over tp: one per shard
-    ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "mesh.sequence_parallel=true"],
+    ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "parallel.sequence_parallel=true"],
 ], ids=["fsdp2_tp4", "dp2_fsdp2_tp2_sp"])
 def test_kernels_match_reference_model(layout, reference):
     ref_losses, ref_grads = reference

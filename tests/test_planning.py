@@ -33,10 +33,10 @@ LAYOUTS = {
     "dp8": "mesh.dp=8 train.zero_stage=0",
     "fsdp8_z3": "mesh.fsdp=8 train.zero_stage=3",
     "dp2_tp4": "mesh.dp=2 mesh.tp=4",
-    "fsdp2_tp4_sp": "mesh.fsdp=2 mesh.tp=4 mesh.sequence_parallel=true",
+    "fsdp2_tp4_sp": "mesh.fsdp=2 mesh.tp=4 parallel.sequence_parallel=true",
     "fsdp4_tp2_z1": "mesh.fsdp=4 mesh.tp=2 train.zero_stage=1",
     "fsdp2_tp4_z2": "mesh.fsdp=2 mesh.tp=4 train.zero_stage=2",
-    "fsdp4_tp2_full_z3_sp": "mesh.fsdp=4 mesh.tp=2 train.remat=full train.zero_stage=3 mesh.sequence_parallel=true",
+    "fsdp4_tp2_full_z3_sp": "mesh.fsdp=4 mesh.tp=2 train.remat=full train.zero_stage=3 parallel.sequence_parallel=true",
     "dp2_fsdp4_dots_z3": "mesh.dp=2 mesh.fsdp=4 train.remat=save_dots train.zero_stage=3",
     "fsdp4_tp2_attn_z2": "mesh.fsdp=4 mesh.tp=2 train.remat=save_attn train.zero_stage=2",
     "dp2_fsdp2_tp2_names_accum": "mesh.dp=2 mesh.fsdp=2 mesh.tp=2 train.remat=names:qkv,mlp_hidden train.grad_accum=2",
@@ -87,7 +87,7 @@ NEW_AXIS_CASES = [
     ("cp2_dp4", "mesh.cp=2 mesh.dp=4", ("collective-permute", "cp"), {"cp", "dp"}),
     ("sp2_dp4", "mesh.sp=2 mesh.dp=4", ("all-to-all", "sp"), {"sp", "dp"}),
     ("ep2_dp4", "moe.n_experts=4 moe.top_k=2 mesh.ep=2 mesh.dp=4", ("all-to-all", "ep"), {"ep", "dp"}),
-    ("tp4_sp_ring_dp2", "mesh.tp=4 mesh.dp=2 mesh.sequence_parallel=true model.tp_overlap=collective_matmul",
+    ("tp4_sp_ring_dp2", "mesh.tp=4 mesh.dp=2 parallel.sequence_parallel=true parallel.tp_overlap=collective_matmul",
      ("collective-permute", "tp"), {"tp", "dp"}),
 ]
 

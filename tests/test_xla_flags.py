@@ -18,15 +18,15 @@ COMBINE_128 = ["--xla_gpu_all_gather_combine_threshold_bytes=134217728",
 
 def test_default_config_combines_fsdp_collectives():
     assert flags() == COMBINE_128  # the default mesh.fsdp=-1 may be > 1
-    assert flags("mesh.fsdp=2", "mesh.fsdp_combine_mib=512")[0].endswith(f"={512 << 20}")
-    assert flags("mesh.fsdp_combine_mib=0") == [] and flags(*NO_FSDP) == []
+    assert flags("mesh.fsdp=2", "parallel.fsdp_combine_mib=512")[0].endswith(f"={512 << 20}")
+    assert flags("parallel.fsdp_combine_mib=0") == [] and flags(*NO_FSDP) == []
 
 
 def test_negative_combine_size_is_a_config_error(capsys):
     from meshtrain.run import main
-    assert main(["mesh.fsdp_combine_mib=-1"]) == 2
+    assert main(["parallel.fsdp_combine_mib=-1"]) == 2
     err = capsys.readouterr().err
-    assert "mesh.fsdp_combine_mib=-1" in err and ">= 0" in err
+    assert "parallel.fsdp_combine_mib=-1" in err and ">= 0" in err
 
 
 def test_fp8_turns_triton_gemms_off():
@@ -34,9 +34,9 @@ def test_fp8_turns_triton_gemms_off():
 
 
 def test_tp_overlap_only_with_tensor_parallelism():
-    assert set(flags("mesh.fsdp=1", "mesh.tp=2", "model.tp_overlap=windowed_einsum")) == TP_FLAGS
-    assert set(flags("mesh.fsdp=1", "mesh.tp=-1", "model.tp_overlap=windowed_einsum")) == TP_FLAGS  # the rest: may be > 1
-    assert flags(*NO_FSDP, "mesh.tp=1", "model.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
+    assert set(flags("mesh.fsdp=1", "mesh.tp=2", "parallel.tp_overlap=windowed_einsum")) == TP_FLAGS
+    assert set(flags("mesh.fsdp=1", "mesh.tp=-1", "parallel.tp_overlap=windowed_einsum")) == TP_FLAGS  # the rest: may be > 1
+    assert flags(*NO_FSDP, "mesh.tp=1", "parallel.tp_overlap=windowed_einsum") == []  # fsdp's gathers are left to the scheduler
     assert flags("mesh.fsdp=1", "mesh.tp=2") == []
 
 
@@ -49,9 +49,9 @@ def test_a_flag_the_user_set_wins():
 
 def test_unknown_overlap_is_a_config_error(capsys):
     from meshtrain.run import main
-    assert main(["model.tp_overlap=ring"]) == 2
+    assert main(["parallel.tp_overlap=ring"]) == 2
     err = capsys.readouterr().err
-    assert "model.tp_overlap" in err and "windowed_einsum" in err
+    assert "parallel.tp_overlap" in err and "windowed_einsum" in err
 
 
 def test_gpu_memory_fraction_is_set_before_jax_unless_the_environment_has_one():

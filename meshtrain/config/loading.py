@@ -1,9 +1,11 @@
 """Loading: defaults <- model preset <- YAML file <- dotted `section.key=value` overrides, each value
-coerced to its field's type; unknown keys get a suggestion. Also the YAML dump and the --help listing.
+coerced to its field's type; unknown keys get a suggestion; renamed keys are read under their new names
+for one release. Also the YAML dump and the --help listing.
 """
 from __future__ import annotations
 
 import difflib
+import sys
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -16,6 +18,15 @@ from meshtrain.config.presets import PRESETS
 from meshtrain.config.schema import Config, ModelConfig, RunConfig
 from meshtrain.config.validation import ConfigError
 
+# Old spelling -> new key. The old one is still read, with a note on stderr, until the next release.
+RENAMED = {
+    "mesh.sequence_parallel": "parallel.sequence_parallel",
+    "mesh.fsdp_combine_mib": "parallel.fsdp_combine_mib",
+    "model.tp_overlap": "parallel.tp_overlap",
+    "model.cp_impl": "parallel.cp_impl",
+    "model.cp_layout": "parallel.cp_layout",
+}
+
 
 def _section_types() -> dict[str, type]:
     return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
@@ -25,10 +36,31 @@ def all_keys() -> list[str]:
     return [f"{s}.{f.name}" for s, cls in _section_types().items() for f in fields(cls)]
 
 
-def _unknown(key: str, candidates: list[str], where: str) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(candidates)}"
+def _unknown(key: str, candidates: list[str], where: str, renamed: dict[str, str] | None = None) -> str:
+    renamed = renamed or {}  # a near miss of an old spelling suggests the new key
+    close = difflib.get_close_matches(key, candidates + list(renamed), n=1, cutoff=0.5)
+    hint = f"did you mean '{renamed.get(close[0], close[0])}'?" if close else f"valid keys: {', '.join(candidates)}"
     return f"unknown config key '{where}': {hint}"
+
+
+def _renamed(values: dict[str, Any], text: dict[str, str], noted: set[str]) -> list[str]:
+    """Move the old spellings in one layer (the file, or the overrides) to their new keys, in place; a later
+    layer still overrides an earlier one. Both spellings in one layer is a problem: which one was meant?"""
+    problems = []
+    for old, new in RENAMED.items():
+        if old not in values:
+            continue
+        raw = values.pop(old)
+        if new in values:
+            problems.append(f"{old} and {new} are both given: {old} is the old spelling of {new}; keep only {new}")
+            continue
+        values[new] = raw
+        if old in text:
+            text[new] = text.pop(old)
+        if old not in noted:
+            noted.add(old)
+            print(f"config: {old} is now {new} (the old spelling is accepted until the next release)", file=sys.stderr)
+    return problems
 
 
 def _coerce(key: str, raw: Any, tp: Any) -> Any:
@@ -99,13 +131,18 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
             continue
         for k, v in values.items():
             flat[f"{section}.{k}"] = v
+    noted: set[str] = set()
+    problems.extend(_renamed(flat, {}, noted))
+    cli: dict[str, Any] = {}
     for item in overrides or []:
         if "=" not in item:
             problems.append(f"override '{item}' must look like section.key=value (e.g. train.steps=10)")
             continue
         k, v = item.split("=", 1)
-        flat[k.strip()] = _parse_cli_value(v)
+        cli[k.strip()] = _parse_cli_value(v)
         cli_text[k.strip()] = v
+    problems.extend(_renamed(cli, cli_text, noted))
+    flat.update(cli)
 
     # The preset first, so that explicit model fields override it.
     preset = flat.get("model.preset", ModelConfig.preset)
@@ -122,7 +159,7 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
     for key, raw in flat.items():
         section, _, name = key.partition(".")
         if key not in valid:
-            problems.append(_unknown(key, valid, key))
+            problems.append(_unknown(key, valid, key, RENAMED))
             continue
         tp = _field_types(sections[section])[name]
         if tp is str and key in cli_text:

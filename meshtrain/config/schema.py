@@ -43,10 +43,23 @@ class MeshConfig:
     cp: int = 1
     sp: int = 1
     tp: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the parallel axes run: their collectives and the layouts they move data in."""
+
     sequence_parallel: bool = False  # Megatron SP: norm/residual activations sharded on seq over tp
     # GPU: XLA combines fsdp's all-gathers and reduce-scatters into collectives of up to this many MiB
     # (fewer, larger transfers, each easier to hide); 0 keeps XLA's own threshold. meshtrain/xla_flags.py.
     fsdp_combine_mib: int = 128
+    # How tensor parallelism's collectives meet the matmuls beside them. none: GSPMD's collectives, the
+    # latency-hiding scheduler overlaps what it can; windowed_einsum: XLA's own collective matmul (GPU flags,
+    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/tensor.py),
+    # which needs parallel.sequence_parallel, cp = sp = 1 and a bf16/fp16 matmul recipe. No effect with tp = 1.
+    tp_overlap: Literal["none", "windowed_einsum", "collective_matmul"] = "none"
+    cp_impl: Literal["ring", "allgather"] = "ring"  # context parallelism: K/V round a ring, or all-gathered
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
 
 
 @dataclass(frozen=True)
@@ -76,13 +89,6 @@ class ModelConfig:
     # layer of an unrolled stack); triton compiles faster, and its attention takes 1.06-1.45x as long
     # (docs/PERFORMANCE.md).
     attention_kernel: Literal["auto", "mosaic", "triton"] = "auto"
-    cp_impl: Literal["ring", "allgather"] = "ring"  # context parallelism: K/V round a ring, or all-gathered
-    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # which sequence chunks a cp rank holds
-    # How tensor parallelism's collectives meet the matmuls beside them. none: GSPMD's collectives, the
-    # latency-hiding scheduler overlaps what it can; windowed_einsum: XLA's own collective matmul (GPU flags,
-    # meshtrain/xla_flags.py); collective_matmul: meshtrain's shard_map ring (parallel/tensor.py),
-    # which needs mesh.sequence_parallel, cp = sp = 1 and a bf16/fp16 matmul recipe. No effect with tp = 1.
-    tp_overlap: Literal["none", "windowed_einsum", "collective_matmul"] = "none"
     norm: Literal["reference", "pallas"] = "reference"
     loss: Literal["reference", "fused"] = "reference"
     # The embedding table's gradient (model/embedding.py): scatter (autodiff, atomics in the compute dtype),
@@ -231,6 +237,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

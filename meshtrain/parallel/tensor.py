@@ -18,7 +18,7 @@ comes from autodiff: a ppermute transposes to the reverse ppermute, so the gradi
 a ring reduce-scatter and that of the scatter a ring all-gather, again one chunk per matmul.
 
 Only tp is manual; batch axes (dp, fsdp) stay automatic, so a ZeRO-3 weight is gathered over fsdp by
-the compiler as before. `active()` says when a layer should take this path (model.tp_overlap).
+the compiler as before. `active()` says when a layer should take this path (parallel.tp_overlap).
 """
 from __future__ import annotations
 

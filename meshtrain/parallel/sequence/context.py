@@ -40,7 +40,7 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
                       rules: ShardingRules, attention_kernel: str = "", interpret: bool = False) -> jax.Array:
     """Causal attention of sequence-sharded q/k/v (see the module docstring); o like q."""
     if cp_impl not in CP_IMPLS:
-        raise ValueError(f"model.cp_impl={cp_impl!r}: must be one of {', '.join(CP_IMPLS)}")
+        raise ValueError(f"parallel.cp_impl={cp_impl!r}: must be one of {', '.join(CP_IMPLS)}")
     shape = rules.mesh.shape
     cp, sp, tp = shape["cp"], shape["sp"], shape["tp"]
     kernel = impl == "pallas"

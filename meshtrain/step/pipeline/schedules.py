@@ -37,6 +37,7 @@ as its slowest op, so the executor's time is lockstep_makespan = Σ_tick max_sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 # The kinds and the argument rules are the config's (pure Python, below this floor); they are part of this
 # module's API too: the command and the tests take them from here with the builders.
