@@ -26,7 +26,7 @@ import jax
 CASES = {
     "pipeline": ["mesh.pp=2", "mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "train.grad_accum=4",
                  "pipeline.schedule=zb_h1"],
-    "context": ["mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "data.document_mask=true"],
+    "context": ["mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "data.document_mask=true", "data.eos_id=7"],
     "moe": ["model.preset=tiny_moe", "model.d_model=64", "model.d_ff=128", "mesh.ep=2", "mesh.fsdp=2", "mesh.tp=2"],
 }
 

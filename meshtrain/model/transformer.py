@@ -228,6 +228,7 @@ class Decoder(nn.Module):
     def vocab_padded(self) -> int:
         return self.exe.vocab_padded
 
+    @nn.nowrap  # a builder, not a module method: callable on an unbound decoder (the pipeline's stages)
     def stack(self, n_layers: int) -> nn.Module:
         """The module running `n_layers` of this decoder's blocks, built as its own stack is (the one
         builder): the whole stack in `setup`, a pipeline stage's chunk of it elsewhere."""
