@@ -3,9 +3,11 @@
     python -m meshtrain.schedule --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2]
                                  [--units tick|cost] [--json] [--png FILE]
 
-The text chart has a row per stage and, by default, a column per lockstep tick (the step the
-pipeline executor runs: one op per stage); `--units cost` draws a column per cost unit instead
-(F=1, B=2, or F=B=W=1 when the backward is split), where the bubble is measured. Imports no jax.
+The text chart has a row per stage and, by default, a column per lockstep tick (one op per stage
+and tick); `--units cost` draws a column per cost unit instead (F=1, B=2, or F=B=W=1 when the
+backward is split), where the bubble is measured. The `executor:` line (and `executor_*` in --json)
+says what the pipeline executor runs for it (step/pipeline/ticks.py: F and B in lanes of their own
+where that pays): its ticks, its time in cost units and what each stage holds. Imports no jax.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 from typing import NoReturn
 
 from meshtrain.step.pipeline.schedules import KINDS, Op, Schedule, ScheduleError, make_schedule, validate_args
+from meshtrain.step.pipeline.ticks import tick_tables
 
 FLAGS = {"kind": "--schedule", "n_stages": "--pp", "n_microbatches": "--microbatches",
          "virtual_stages": "--virtual"}
@@ -90,6 +93,10 @@ def render_text(s: Schedule, units: str = "tick") -> str:
         f"lockstep: {s.n_ticks} ticks, {s.lockstep_makespan:g} cost units (each tick lasts its slowest op)",
         "peak in flight per stage (activations held from F to B): " + " ".join(map(str, s.peak_in_flight)),
     ]
+    program = tick_tables(s)
+    lanes = "one op per tick" if program.n_lanes == 1 else f"{program.n_lanes} lanes (F, then B) per tick"
+    lines += [f"executor: {program.n_ticks} ticks of {lanes}, {program.makespan:g} cost units; peak in flight "
+              "per stage " + " ".join(map(str, program.peak_in_flight))]
     if s.split_backward:
         held = " ".join(map(str, s.peak_in_flight_w))
         lines.append(f"peak held until W per stage (weight-grad inputs): {held}")
@@ -97,11 +104,16 @@ def render_text(s: Schedule, units: str = "tick") -> str:
 
 
 def to_json(s: Schedule) -> dict:
+    program = tick_tables(s)
     return {
         "schedule": s.kind, "pp": s.n_stages, "microbatches": s.n_microbatches,
         "virtual_stages": s.virtual_stages, "ticks": s.n_ticks, "bubble_ratio": s.bubble_ratio,
         "peak_in_flight": s.peak_in_flight, "peak_in_flight_w": s.peak_in_flight_w,
         "split_backward": s.split_backward, "makespan": s.makespan, "lockstep_makespan": s.lockstep_makespan,
+        # The program the pipeline executor runs (step/pipeline/ticks.py): its time in the same cost units,
+        # its ticks and lanes, and what each stage holds in its order.
+        "executor_makespan": program.makespan, "executor_ticks": program.n_ticks, "executor_lanes": program.n_lanes,
+        "executor_peak_in_flight": program.peak_in_flight,
         "ops": [[{"op": op.kind, "microbatch": op.microbatch, "chunk": op.chunk, "start": op.start,
                   "end": op.end, "tick": op.tick} for op in stage_ops] for stage_ops in s.ops],
     }

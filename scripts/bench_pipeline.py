@@ -7,8 +7,8 @@ For each schedule, at pp = --pp over the first pp devices (the 1.36B Llama shape
   ops          every op the stages run (F, B, W of a first / middle / last chunk), jitted and timed
                alone on one device: the same stages run without the pipeline
   bubble       measured  p·pipe_ms / Σ_stages busy_ms - 1, where busy = the stage's ops timed alone
-               lockstep  the same from the measured op times put on the schedule's tick grid (a tick
-                         lasts its slowest op): what the executor's lockstep clock alone predicts
+               lockstep  the same from the measured op times put on the executor's ticks (a tick
+                         lasts its slowest stage's lanes): what the executor's program alone predicts
                formula   schedules.bubble_ratio (free-running stages, F = 1, B = 2 or B = W = 1)
   overhead     p·pipe_ms / (m · plain_ms) - 1: against one microbatch's ordinary forward + backward
                of the whole model on one device (no recomputation), i.e. everything the pipeline
@@ -129,7 +129,7 @@ def time_single_device(setup, a):
     def op_ms(k: int, split: bool, key: tuple[int, int]) -> float:
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
-            fn = chunk_ops(setup.cfg, setup.model, setup.model.rules, k, split)[key]
+            fn = chunk_ops(setup.model, k, split)[key]
             lp = jax.tree.map(lambda arr: arr[:k], params["layers"])
             cache[(k, split, key)] = median_ms(jax.jit(fn), lp, shared, x, dy, mb, scale, steps=a.steps)
         return cache[(k, split, key)]
@@ -171,16 +171,16 @@ def analyse(setup, kind, v, step_ms, update_ms, plain_ms, op_ms) -> dict:
     used = sorted({(int(kd), int(pos)) for kd, pos in zip(ticks.kind.ravel(), ticks.position.ravel()) if kd})
     ops = {key: op_ms(k, s.split_backward, key) for key in used}
 
-    def cost(t, st):
-        kd = int(ticks.kind[t, st])
-        return ops[(kd, int(ticks.position[t, st]))] if kd else 0.0
+    def cost(t, st):  # a stage runs its lanes one after the other
+        return sum(ops[(int(kd), int(pos))] for kd, pos in zip(ticks.kind[t, st], ticks.position[t, st]) if kd)
 
     busy = [sum(cost(t, st) for t in range(ticks.n_ticks)) for st in range(p)]
     lockstep_ms = sum(max(cost(t, st) for st in range(p)) for t in range(ticks.n_ticks))
     pipe_ms = step_ms - update_ms
     return dict(schedule=kind, pp=p, microbatches=m, virtual_stages=v, step_ms=step_ms, pipe_ms=pipe_ms,
                 update_ms=update_ms, busy_ms=busy, lockstep_ms=lockstep_ms, ticks=ticks.n_ticks,
-                pool_slots=ticks.n_slots, bubble_measured=p * pipe_ms / sum(busy) - 1,
+                pool_slots=ticks.n_slots, lanes=ticks.n_lanes, program_makespan=ticks.makespan,
+                schedule_makespan=s.makespan, bubble_measured=p * pipe_ms / sum(busy) - 1,
                 bubble_lockstep=p * lockstep_ms / sum(busy) - 1, bubble_formula=s.bubble_ratio,
                 overhead_vs_plain=p * pipe_ms / (m * plain_ms) - 1,
                 op_ms={f"{'.FBW'[kd]}-{('first', 'mid', 'last')[pos]}": t for (kd, pos), t in ops.items()})

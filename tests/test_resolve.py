@@ -19,6 +19,7 @@ from meshtrain.planning.search import as_given
 from meshtrain.planning.timing import Rates
 from meshtrain.resolve import resolve, resolve_for_mesh
 from meshtrain.step.pipeline.schedules import KINDS, make_schedule
+from meshtrain.step.pipeline.ticks import tick_tables
 from meshtrain.step.state import build_setup
 
 import jax
@@ -92,6 +93,6 @@ def test_guard_and_planner_estimate_a_pipeline_alike(schedule):
     planned, planned_exe = as_given(cfg, Rates.preset("h100"), 8, backend="gpu")
     assert planned_exe == exe
     assert planned.memory.total == guarded.total
-    # the estimate holds the config's own schedule's peak of microbatches in flight
-    peak = max(make_schedule(schedule, 4, 8, v).peak_in_flight)
+    # the estimate holds the peak of microbatches in flight of the program the executor runs for the schedule
+    peak = max(tick_tables(make_schedule(schedule, 4, 8, v)).peak_in_flight)
     assert guarded.detail["in_flight"] == in_flight(Layout.of(cfg)) == peak

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from meshtrain.config import Config, padded_vocab
 from meshtrain.resolve import Execution
 from meshtrain.step.pipeline.schedules import ScheduleError, make_schedule
+from meshtrain.step.pipeline.ticks import tick_tables
 
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by config dtype name
@@ -207,13 +208,14 @@ def attention_kind(exe: Execution) -> str:
 @functools.lru_cache(maxsize=None)
 def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> int:
     try:
-        return max(make_schedule(kind, pp, microbatches, virtual_stages).peak_in_flight)
+        return max(tick_tables(make_schedule(kind, pp, microbatches, virtual_stages)).peak_in_flight)
     except ScheduleError:
         return microbatches  # the schedule cannot run this; all forward, then all backward
 
 
 def in_flight(lay: Layout) -> int:
-    """Microbatches whose activations a stage holds at its peak (the schedule's peak_in_flight)."""
+    """Microbatches whose activations a stage holds at its peak, in the order the pipeline executor runs the
+    schedule (step/pipeline/ticks.py)."""
     if lay.degrees["pp"] == 1:
         return 1
     return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)

@@ -16,13 +16,14 @@ Who holds what:
   lm_head     stages' gradients (the embedding's two uses add up when it is tied to the head),
               leaving every stage the same gradient, as a replicated parameter needs.
 
-One tick, every stage at once (p = 4, 1F1B steady state):
+One tick, every stage at once (p = 4, 1F1B steady state: two lanes, ticks.py):
 
     stage 0        stage 1        stage 2        stage 3
-    B mb0          F mb3          B mb1          F mb2+loss     lax.switch on the op table
-      │ (none)       │ x→           │ ←dy          │
-      └────────── one message per stage: ppermute +1 and ppermute -1 (cyclic) ───────────┘
-    pool[slot] ← what came from below / from above / from itself, per the receive tables
+    F mb6          F mb5          F mb4          F mb3+loss     lane 0: lax.switch on its op table
+    B mb0          B mb1          B mb2          B mb3          lane 1: lax.switch on its op table
+      │ x→ ←dy       │ x→ ←dy       │ x→ ←dy       │ ←dy
+      └── at most one message per link and stage: ppermute +1 (what a lane sends on) and -1 ──┘
+    pool[slot] ← what came from below / from above / from its own lanes, per the receive tables
 
 Ops, with recomputation: each stage stashes only the input x of a chunk (and the output
 gradient dy where the backward is split); B and W recompute the chunk's forward from x
@@ -32,14 +33,14 @@ gradient dy where the backward is split); B and W recompute the chunk's forward 
     B  x, dy → recompute, vjp → dx sent back; dW accumulated (unless split)
     W  x, dy → recompute, vjp wrt weights only → dW accumulated (split schedules)
 
-What this costs against the formula (F = 1, B = 2; or B = W = 1 split): B is 1 + 2, an extra
+What this costs against the formula (F = 1, B = 2; or B = W = 1 split): the program's ticks
+cost the schedule's makespan in those units (ticks.py: `makespan`), but B is 1 + 2, an extra
 chunk forward, so the unsplit schedules run at F:B = 1:3; split B is forward + input-grad chain
 and W is forward + the full chain (the weight grads of a layer need the grads flowing back
 through the layers after it), about 2 and 3: the split costs roughly 6 units per microbatch
-where the unsplit one costs 4. The lockstep clock adds more: a tick lasts its slowest op, and
-every tick sends one [b, T, D] message each way whether or not a stage has one. Interleaved
-and dualpipe_v add the stack permutation per step; the embedding/head psum adds one
-all-reduce of those parameters over pp per step.
+where the unsplit one costs 4. Every tick sends one [b, T, D] message each way, whether or not a
+stage has one. Interleaved and dualpipe_v add the stack permutation per step; the embedding/head
+psum adds one all-reduce of those parameters over pp per step.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     k = cfg.model.n_layers // (p * v)
     order = stage_order(schedule.kind, p, v)
     inverse = np.argsort(order)
-    branch_of, branches_for = _branch_table(ticks)
+    lane_branches = [_branch_table(ticks, lane) for lane in range(ticks.n_lanes)]
 
     def stage_program(layers, shared, batch: Batch, scale):
         # Inside, pp is a manual axis: the model's sharding annotations name the other axes of this
@@ -146,26 +147,37 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         def idle(carry, me):
             return carry, jnp.zeros(pool.shape[1:], pool.dtype)
 
-        branches = [idle] + [op(kind, pos) for kind, pos in branches_for]
+        # Per lane, only the (kind, position) pairs that lane runs: an unused op is never compiled.
+        branches = [[idle] + [op(kind, pos) for kind, pos in pairs] for _, pairs in lane_branches]
+        nothing = jnp.zeros(pool.shape[1:], pool.dtype)
 
         def tick(carry, row):
-            me = {name: col[stage] for name, col in row.items()}
-            carry, out = lax.switch(me["branch"], branches, carry, me)
-            from_below = lax.ppermute(out, "pp", [(i, (i + 1) % p) for i in range(p)])
-            # With two stages both neighbours are one device: the plan routes everything on +1.
-            from_above = from_below if p == 2 else lax.ppermute(out, "pp", [(i, (i - 1) % p) for i in range(p)])
+            lanes, links = row
+            outs = []
+            for lane, lane_row in enumerate(lanes):  # in order: lane 0's F before lane 1's B
+                me = {name: col[stage] for name, col in lane_row.items()}
+                carry, out = lax.switch(me["branch"], branches[lane], carry, me)
+                outs.append(out)
+            link = {name: col[stage] for name, col in links.items()}
+            # At most one message per link per stage and tick (ticks.py): pick the lane it comes from.
+            up = lax.select_n(link["up_lane"] + 1, nothing, *outs)
+            down = lax.select_n(link["down_lane"] + 1, nothing, *outs)
+            from_below = lax.ppermute(up, "pp", [(i, (i + 1) % p) for i in range(p)])
+            from_above = lax.ppermute(down, "pp", [(i, (i - 1) % p) for i in range(p)])
             pool = carry[0]
-            for slot, msg in ((me["from_below"], from_below), (me["from_above"], from_above),
-                              (me["from_self"], out)):
+            kept = [(link["from_below"], from_below), (link["from_above"], from_above)]
+            kept += [(lane_row["from_self"][stage], out) for lane_row, out in zip(lanes, outs)]
+            for slot, msg in kept:
                 pool = lax.dynamic_update_index_in_dim(pool, msg, slot, 0)
             return (pool,) + carry[1:], None
 
         zero = jnp.zeros((), jnp.float32)
         carry = (pool, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), zero, zero)
-        rows = {name: jnp.asarray(table) for name, table in ticks.tables().items()}
-        rows["branch"] = jnp.asarray(branch_of)
-        (_, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, rows)
+        lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
+                           "branch": jnp.asarray(branch_of)} for lane, (branch_of, _) in enumerate(lane_branches))
+        link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
+        (_, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, (lane_rows, link_rows))
         g_layers = jax.tree.map(lambda a: a.reshape(v * k, *a.shape[2:]), g_layers)
         return g_layers, lax.psum(g_shared, "pp"), lax.psum(loss, "pp"), lax.psum(count, "pp")
 
@@ -183,13 +195,14 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     return grad_fn
 
 
-def _branch_table(ticks: TickTables) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Number the (op kind, chunk position) pairs the plan uses, 1.. (0 is idle): the switch's
-    branches are only those, so an unused op is never compiled."""
-    pairs = sorted({(int(kd), int(ps)) for kd, ps in zip(ticks.kind.ravel(), ticks.position.ravel()) if kd != IDLE})
+def _branch_table(ticks: TickTables, lane: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Number the (op kind, chunk position) pairs that `lane` runs, 1.. (0 is idle): [T, S] branch
+    indices and the pairs in branch order."""
+    kind, position = ticks.kind[:, :, lane], ticks.position[:, :, lane]
+    pairs = sorted({(int(kd), int(ps)) for kd, ps in zip(kind.ravel(), position.ravel()) if kd != IDLE})
     index = {pair: i + 1 for i, pair in enumerate(pairs)}
-    table = np.zeros_like(ticks.kind)
-    for (t, s), kd in np.ndenumerate(ticks.kind):
+    table = np.zeros_like(kind)
+    for (t, s), kd in np.ndenumerate(kind):
         if kd != IDLE:
-            table[t, s] = index[(int(kd), int(ticks.position[t, s]))]
+            table[t, s] = index[(int(kd), int(position[t, s]))]
     return table, pairs

@@ -1,21 +1,38 @@
-"""A schedule compiled into the constant tables the pipeline executor indexes by (tick, stage).
+"""A schedule compiled into the program the pipeline executor runs: constant tables indexed by
+(tick, stage, lane). Pure Python and numpy: everything the executor decides per tick is decided here.
 
-Pure Python and numpy: everything the executor decides per tick is decided here, once.
+The executor is lockstep (one SPMD program): a tick ends with collective permutes, and lasts as long
+as its slowest stage. Running the schedule's ops one per tick wastes the difference whenever F and
+B cost differently and neighbouring stages are in opposite phases (1F1B's steady state: one stage
+runs F while the next runs B, so every tick lasts a B). So a tick has lanes:
+
+    lanes = 2 (1f1b, interleaved, F=1 B=2):  lane 0 runs an F, lane 1 a B, one after the other;
+            in the steady state every stage runs one F and one B per tick, so no tick waits.
+    lanes = 1 (afab, zb_h1, dualpipe_v): one op per tick; their ops cost alike, or they run all F
+            then all B, so the schedule's own ticks already cost its makespan.
+
+Ops are placed as soon as possible, in the order of the schedule's free-running timeline: at the
+first tick where the op's lane on its stage is free, its inputs exist (made at an earlier tick, or
+earlier in the same tick on the same stage when nothing has to travel: the loss's B after its F,
+a W after its B) and the link its output leaves on is free. With two lanes this starts forwards
+earlier than the schedule's order would (stage s of 1F1B holds up to 2(p-s)-1 microbatches instead
+of p-s); `peak_in_flight` says what the program holds, and the memory estimate reads it.
+`makespan` is the program's time in the schedule's cost units (Σ over ticks of the slowest stage's
+ops), comparable with the schedule's free-running makespan.
 
 Each stage keeps one buffer pool of [b, T, D] slots for the two kinds of message it receives:
 the input activation x of one of its chunks for one microbatch (what F reads, and what B and W
 recompute the chunk from), and the gradient dy of that chunk's output (what B and W pull back).
 A message occupies a slot from the end of the tick that sends it until the last op that reads it
 (B, or W when the backward is split); slots are assigned by interval colouring, so the pool holds
-as many slots as the most messages live at once on any stage: 1F1B's grows with p, not with m.
-The last slot is a trash slot: a receive with nothing to keep writes there, so every store is an
-unconditional dynamic update.
+as many slots as the most messages live at once on any stage. The last slot is a trash slot: a
+receive with nothing to keep writes there, so every store is an unconditional dynamic update.
 
-    tick t, stage s:   op = kind[t, s] on (microbatch[t, s], chunk[t, s]), position first/mid/last
-                       reads pool[x_slot[t, s]], pool[dy_slot[t, s]]; outputs one message
-    end of tick t:     out ──ppermute +1──> stage s+1 stores it in pool[from_below[t, s+1]]
-                       out ──ppermute -1──> stage s-1 stores it in pool[from_above[t, s-1]]
-                       out ──────(self)───> stage s   stores it in pool[from_self[t, s]]
+    tick t, stage s, lane l:  op = kind[t, s, l] on (microbatch, chunk)[t, s, l], position first/mid/last,
+                              reads pool[x_slot[t, s, l]], pool[dy_slot[t, s, l]]; yields one message
+    end of tick t:  the output of lane up_lane[t, s]   ──ppermute +1──> s+1 keeps it in pool[from_below]
+                    the output of lane down_lane[t, s] ──ppermute -1──> s-1 keeps it in pool[from_above]
+                    the output of lane l               ──(self)───────> s   keeps it in pool[from_self[.., l]]
 """
 from __future__ import annotations
 
@@ -23,16 +40,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshtrain.step.pipeline.schedules import Schedule, stage_and_chunk
+from meshtrain.step.pipeline.schedules import Op, Schedule, _inputs, op_costs, stage_and_chunk
 
 IDLE, F, B, W = 0, 1, 2, 3
 KIND_CODE = {"F": F, "B": B, "W": W}
 FIRST, MID, LAST = 0, 1, 2  # where the op's chunk sits in the model: embeds / plain / computes the loss
+NO_LANE = -1  # up_lane / down_lane: nothing leaves on that link
+PAIRED_KINDS = ("1f1b", "interleaved")  # F and B in lanes of their own (module docstring)
 
 
 @dataclass(frozen=True)
 class TickTables:
-    """[n_ticks, n_stages] int32 tables (see the module docstring) and the pool size."""
+    """The executor's program (module docstring): [n_ticks, n_stages, n_lanes] op tables,
+    [n_ticks, n_stages] link tables, and the pool size."""
 
     kind: np.ndarray
     position: np.ndarray
@@ -40,10 +60,13 @@ class TickTables:
     chunk: np.ndarray
     x_slot: np.ndarray
     dy_slot: np.ndarray
+    from_self: np.ndarray  # [T, S, L]
+    up_lane: np.ndarray  # [T, S]
+    down_lane: np.ndarray
     from_below: np.ndarray
     from_above: np.ndarray
-    from_self: np.ndarray
     n_slots: int  # live slots; the pool has one more (trash)
+    split_backward: bool
 
     @property
     def trash(self) -> int:
@@ -53,41 +76,138 @@ class TickTables:
     def n_ticks(self) -> int:
         return self.kind.shape[0]
 
-    def tables(self) -> dict[str, np.ndarray]:
+    @property
+    def n_lanes(self) -> int:
+        return self.kind.shape[2]
+
+    def lane_tables(self) -> dict[str, np.ndarray]:
+        """The [T, S, L] tables, by name."""
         return {k: getattr(self, k) for k in ("kind", "position", "microbatch", "chunk", "x_slot", "dy_slot",
-                                              "from_below", "from_above", "from_self")}
+                                              "from_self")}
+
+    def link_tables(self) -> dict[str, np.ndarray]:
+        """The [T, S] tables, by name."""
+        return {k: getattr(self, k) for k in ("up_lane", "down_lane", "from_below", "from_above")}
+
+    def tick_costs(self) -> np.ndarray:
+        """[T, S]: the cost units stage s is busy in tick t (F=1, B=2; or 1 each when split)."""
+        costs = op_costs(self.split_backward)
+        unit = np.zeros(4)
+        for name, code in KIND_CODE.items():
+            unit[code] = costs.get(name, 0)
+        return unit[self.kind].sum(axis=2)
+
+    @property
+    def makespan(self) -> float:
+        """The program's time in cost units: Σ over ticks of the busiest stage."""
+        return float(self.tick_costs().max(axis=1).sum())
+
+    @property
+    def peak_in_flight(self) -> list[int]:
+        """Per stage: the most microbatch chunks whose forward ran and whose B has not (as
+        Schedule.peak_in_flight counts them, for the order this program runs)."""
+        peaks = []
+        for s in range(self.kind.shape[1]):
+            held = peak = 0
+            for t in range(self.n_ticks):
+                for lane in range(self.n_lanes):  # lanes run in order within a tick
+                    held += int(self.kind[t, s, lane] == F) - int(self.kind[t, s, lane] == B)
+                    peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
 
 
-def tick_tables(s: Schedule) -> TickTables:
+@dataclass(frozen=True)
+class _Placed:
+    tick: int
+    lane: int
+    link: int  # +1, -1, 0 (kept on its stage) or None (sends nothing)
+
+
+def tick_tables(s: Schedule, lanes: int | None = None) -> TickTables:
+    """The executor's program for `s` (module docstring); `lanes` overrides the kind's choice."""
+    lanes = lanes or (2 if s.kind in PAIRED_KINDS else 1)
+    placed = _place(s, lanes)
+    return _tables(s, placed, lanes)
+
+
+def _receiver(s: Schedule, kind: str, j: int) -> int | None:
+    """The stage that op (kind, virtual stage j)'s message goes to, or None when it sends none."""
+    n_virtual = s.n_stages * s.virtual_stages
+    if kind == "F" and j < n_virtual - 1:
+        return stage_and_chunk(s.kind, s.n_stages, j + 1)[0]
+    if kind == "B" and j > 0:
+        return stage_and_chunk(s.kind, s.n_stages, j - 1)[0]
+    return None
+
+
+def _place(s: Schedule, lanes: int) -> dict[tuple[str, int, int], _Placed]:
+    """Each op (kind, microbatch, virtual stage) -> where the program runs it (module docstring)."""
     p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
-    grid = s.grid()
-    n_ticks = len(grid)
+    lane_of = {"F": 0, "B": lanes - 1, "W": lanes - 1}
+    placed: dict[tuple[str, int, int], _Placed] = {}
+    busy: set[tuple[int, int, int]] = set()  # (tick, stage, lane)
+    links: set[tuple[int, int, int]] = set()  # (tick, sender, direction)
+    lane_next: dict[tuple[int, int], int] = {}  # (stage, lane) -> first tick its next op may take
+    timeline: list[Op] = sorted((op for stage_ops in s.ops for op in stage_ops), key=lambda o: (o.start, o.stage))
+    for op in timeline:
+        j, lane = s.virtual_stage(op), lane_of[op.kind]
+        tick = lane_next.get((op.stage, lane), 0)  # a lane runs its ops in the schedule's order
+        for key in _inputs(op.kind, op.microbatch, j, n_virtual):
+            local = key[0] == "F" and op.kind == "B" or op.kind == "W"  # read on this stage, not sent
+            tick = max(tick, placed[key].tick + (0 if local else 1))
+        receiver = _receiver(s, op.kind, j)
+        while True:
+            link = None if receiver is None else _link(p, op.stage, receiver, tick, links)
+            if (tick, op.stage, lane) not in busy and link != "taken":
+                break
+            tick += 1
+        busy.add((tick, op.stage, lane))
+        if link in (1, -1):
+            links.add((tick, op.stage, link))
+        lane_next[(op.stage, lane)] = tick + 1
+        placed[(op.kind, op.microbatch, j)] = _Placed(tick, lane, link)
+    return placed
+
+
+def _link(p: int, sender: int, receiver: int, tick: int, links: set) -> int | str:
+    """The direction a message leaves on at this tick: 0 to itself, +1 or -1 to a neighbour (with two
+    stages both neighbours are one: whichever link is free), or "taken" when its link is in use."""
+    if receiver == sender:
+        return 0
+    for direction in (1, -1):
+        if receiver == (sender + direction) % p and (tick, sender, direction) not in links:
+            return direction
+    if receiver not in ((sender + 1) % p, (sender - 1) % p):
+        raise AssertionError(f"a message from stage {sender} to stage {receiver}, not a neighbour")
+    return "taken"
+
+
+def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int) -> TickTables:
+    p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
+    n_ticks = 1 + max(pl.tick for pl in placed.values())
     last_reader = "W" if s.split_backward else "B"
 
-    # Every message: (what, microbatch, virtual stage it is for) -> (sender stage, tick, receiver stage).
-    sent: dict[tuple[str, int, int], tuple[int, int, int]] = {}
-    used: dict[tuple[str, int, int], int] = {}  # -> tick of the last op reading it
-    for t, row in enumerate(grid):
-        for op in row:
-            if op is None:
-                continue
-            j = s.virtual_stage(op)
-            if op.kind == "F" and j < n_virtual - 1:
-                sent[("x", op.microbatch, j + 1)] = (op.stage, t, stage_and_chunk(s.kind, p, j + 1)[0])
-            if op.kind == "B" and j > 0:
-                sent[("dy", op.microbatch, j - 1)] = (op.stage, t, stage_and_chunk(s.kind, p, j - 1)[0])
-            if op.kind == "F" or op.kind == last_reader:
-                if j > 0:
-                    used[("x", op.microbatch, j)] = max(used.get(("x", op.microbatch, j), -1), t)
-            if op.kind in ("B", "W") and j < n_virtual - 1:
-                used[("dy", op.microbatch, j)] = max(used.get(("dy", op.microbatch, j), -1), t)
+    # Every message: (what, microbatch, virtual stage it is for) -> its sender's key, and its last reader's tick.
+    sent: dict[tuple[str, int, int], tuple[str, int, int]] = {}
+    used: dict[tuple[str, int, int], int] = {}
+    for (kind, mb, j), pl in placed.items():
+        if kind == "F" and j < n_virtual - 1:
+            sent[("x", mb, j + 1)] = (kind, mb, j)
+        if kind == "B" and j > 0:
+            sent[("dy", mb, j - 1)] = (kind, mb, j)
+        if (kind == "F" or kind == last_reader) and j > 0:
+            used[("x", mb, j)] = max(used.get(("x", mb, j), -1), pl.tick)
+        if kind in ("B", "W") and j < n_virtual - 1:
+            used[("dy", mb, j)] = max(used.get(("dy", mb, j), -1), pl.tick)
     assert sent.keys() == used.keys(), "every message is read, and every read message is sent"
 
     # Interval colouring per stage: a message lives in (sent tick, last read tick].
     slot: dict[tuple[str, int, int], int] = {}
     n_slots = 0
     for stage in range(p):
-        mine = sorted((sent[k][1], used[k], k) for k in sent if sent[k][2] == stage)
+        mine = sorted((placed[sent[k]].tick, used[k], k) for k in sent
+                      if stage_and_chunk(s.kind, p, k[2])[0] == stage)
         free_at: list[int] = []  # per slot: the tick after which it is free again
         for arrive, last, key in mine:
             assert last > arrive, f"{key} is read at tick {last}, not after it arrives at the end of tick {arrive}"
@@ -100,27 +220,27 @@ def tick_tables(s: Schedule) -> TickTables:
         n_slots = max(n_slots, len(free_at))
     trash = n_slots
 
-    shape = (n_ticks, p)
-    kind, position, microbatch, chunk = (np.zeros(shape, np.int32) for _ in range(4))
-    x_slot, dy_slot, from_below, from_above, from_self = (np.full(shape, trash, np.int32) for _ in range(5))
-    for t, row in enumerate(grid):
-        for op in row:
-            if op is None:
-                continue
-            st, j = op.stage, s.virtual_stage(op)
-            kind[t, st], microbatch[t, st], chunk[t, st] = KIND_CODE[op.kind], op.microbatch, op.chunk
-            position[t, st] = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
-            x_slot[t, st] = slot.get(("x", op.microbatch, j), trash)
-            dy_slot[t, st] = slot.get(("dy", op.microbatch, j), trash)
-    for key, (sender, t, receiver) in sent.items():
-        if receiver == sender:
-            table = from_self
-        elif receiver == (sender + 1) % p:  # with p = 2 both neighbours are one stage: take the +1 link
-            table = from_below
-        elif receiver == (sender - 1) % p:
-            table = from_above
+    lane_shape, link_shape = (n_ticks, p, lanes), (n_ticks, p)
+    kind, position, microbatch, chunk = (np.zeros(lane_shape, np.int32) for _ in range(4))
+    x_slot, dy_slot, from_self = (np.full(lane_shape, trash, np.int32) for _ in range(3))
+    up_lane, down_lane = (np.full(link_shape, NO_LANE, np.int32) for _ in range(2))
+    from_below, from_above = (np.full(link_shape, trash, np.int32) for _ in range(2))
+    for (name, mb, j), pl in placed.items():
+        st, ch = stage_and_chunk(s.kind, p, j)
+        at = (pl.tick, st, pl.lane)
+        kind[at], microbatch[at], chunk[at] = KIND_CODE[name], mb, ch
+        position[at] = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
+        x_slot[at] = slot.get(("x", mb, j), trash)
+        dy_slot[at] = slot.get(("dy", mb, j), trash)
+    for key, sender_key in sent.items():
+        pl = placed[sender_key]
+        sender = stage_and_chunk(s.kind, p, sender_key[2])[0]
+        receiver = stage_and_chunk(s.kind, p, key[2])[0]
+        if pl.link == 0:
+            from_self[pl.tick, receiver, pl.lane] = slot[key]
+        elif pl.link == 1:
+            up_lane[pl.tick, sender], from_below[pl.tick, receiver] = pl.lane, slot[key]
         else:
-            raise AssertionError(f"{key} goes from stage {sender} to stage {receiver}, not a neighbour")
-        assert table[t, receiver] == trash, f"two messages for stage {receiver} on one link at tick {t}"
-        table[t, receiver] = slot[key]
-    return TickTables(kind, position, microbatch, chunk, x_slot, dy_slot, from_below, from_above, from_self, n_slots)
+            down_lane[pl.tick, sender], from_above[pl.tick, receiver] = pl.lane, slot[key]
+    return TickTables(kind, position, microbatch, chunk, x_slot, dy_slot, from_self, up_lane, down_lane, from_below,
+                      from_above, n_slots, s.split_backward)

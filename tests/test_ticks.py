@@ -1,0 +1,113 @@
+"""The executor's program (step/pipeline/ticks.py), replayed without jax.
+
+A symbolic replay of the tables moves labels instead of tensors: each lane's op must find in its
+pool slots exactly the messages it reads (x of its chunk from the stage before, dy from the stage
+after), delivered at an earlier tick and not overwritten since; every op of the schedule runs once;
+no link carries two messages. Then the program's time in cost units against the schedule's
+free-running makespan: the point of the lanes.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtrain import schedule as cli
+from meshtrain.step.pipeline.schedules import KINDS, make_schedule, stage_and_chunk
+from meshtrain.step.pipeline.ticks import FIRST, IDLE, KIND_CODE, LAST, MID, NO_LANE, tick_tables
+
+NAMES = {code: name for name, code in KIND_CODE.items()}
+CASES = [(kind, p, m, 2 if kind in ("interleaved", "dualpipe_v") else 1)
+         for kind in KINDS for p in (2, 4) for m in (8, 16)]
+
+
+def replay(kind: str, p: int, m: int, v: int) -> None:
+    """Run the tables on labels; raise AssertionError at the first op that would read the wrong thing."""
+    s = make_schedule(kind, p, m, v)
+    t = tick_tables(s)
+    n_virtual = p * v
+    pools = [[None] * (t.n_slots + 1) for _ in range(p)]
+    ran = set()
+    for tick in range(t.n_ticks):
+        outs = [[None] * t.n_lanes for _ in range(p)]
+        for stage in range(p):
+            for lane in range(t.n_lanes):
+                code = int(t.kind[tick, stage, lane])
+                if code == IDLE:
+                    continue
+                name, mb, chunk = NAMES[code], int(t.microbatch[tick, stage, lane]), int(t.chunk[tick, stage, lane])
+                j = next(j for j in range(n_virtual) if stage_and_chunk(kind, p, j) == (stage, chunk))
+                pos = int(t.position[tick, stage, lane])
+                assert pos == (FIRST if j == 0 else LAST if j == n_virtual - 1 else MID)
+                where = f"{name} mb{mb} j{j} at tick {tick}, stage {stage}, lane {lane}"
+                if j > 0 and (name == "F" or name in ("B", "W")):
+                    assert pools[stage][t.x_slot[tick, stage, lane]] == ("x", mb, j), where
+                if name in ("B", "W") and j < n_virtual - 1:
+                    assert pools[stage][t.dy_slot[tick, stage, lane]] == ("dy", mb, j), where
+                if name in ("B", "W"):  # the forward it differentiates ran (earlier, or earlier this tick)
+                    assert ("F", mb, j) in ran, where
+                if name == "W":
+                    assert ("B", mb, j) in ran, where
+                if name == "B" and j < n_virtual - 1:
+                    assert ("B", mb, j + 1) in ran, where
+                assert (name, mb, j) not in ran, f"{where} runs twice"
+                ran.add((name, mb, j))
+                if name == "F" and j < n_virtual - 1:
+                    outs[stage][lane] = ("x", mb, j + 1)
+                if name == "B" and j > 0:
+                    outs[stage][lane] = ("dy", mb, j - 1)
+        for stage in range(p):  # the end of the tick: links, then what each stage keeps of its own
+            up, down = int(t.up_lane[tick, stage]), int(t.down_lane[tick, stage])
+            sent = {lane for lane in range(t.n_lanes) if outs[stage][lane] is not None}
+            links = {lane for lane in (up, down) if lane != NO_LANE}
+            kept = {lane for lane in range(t.n_lanes) if t.from_self[tick, stage, lane] != t.trash}
+            assert up == NO_LANE or up != down, f"one lane on both links at tick {tick}, stage {stage}"
+            assert sent == links | kept, f"tick {tick}, stage {stage}: sent {sent}, routed {links | kept}"
+            if up != NO_LANE:
+                pools[(stage + 1) % p][t.from_below[tick, (stage + 1) % p]] = outs[stage][up]
+            if down != NO_LANE:
+                pools[(stage - 1) % p][t.from_above[tick, (stage - 1) % p]] = outs[stage][down]
+            for lane in kept:
+                pools[stage][t.from_self[tick, stage, lane]] = outs[stage][lane]
+    every = {(k, mb, j) for k in (("F", "B", "W") if s.split_backward else ("F", "B"))
+             for mb in range(m) for j in range(n_virtual)}
+    assert ran == every
+
+
+@pytest.mark.parametrize("kind,p,m,v", CASES)
+def test_the_program_runs_every_op_once_on_what_it_reads(kind, p, m, v):
+    replay(kind, p, m, v)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved", "zb_h1"])
+@pytest.mark.parametrize("m", [8, 16])
+def test_the_program_costs_the_schedules_makespan(kind, m):
+    """pp=4: the executor's time in cost units within 10% of the free-running makespan (it is equal)."""
+    v = 2 if kind == "interleaved" else 1
+    s = make_schedule(kind, 4, m, v)
+    program = tick_tables(s)
+    assert program.makespan <= 1.1 * s.makespan
+    assert program.makespan == s.makespan
+    if kind != "zb_h1":  # where F and B differ in cost, one op per tick costs more: the lanes pay
+        assert s.lockstep_makespan > 1.15 * s.makespan
+
+
+def test_lanes_pair_f_and_b_and_hold_what_the_order_needs():
+    """1F1B at p=4: in the steady state every stage runs one F and one B per tick, so stage s holds
+    up to 2(p-s)-1 microbatches (the price of starting forwards early), not p-s."""
+    t = tick_tables(make_schedule("1f1b", 4, 16))
+    assert t.n_lanes == 2
+    both = (t.kind[:, :, 0] == KIND_CODE["F"]) & (t.kind[:, :, 1] == KIND_CODE["B"])
+    assert both.all(axis=1).sum() == 16 - 2 * (4 - 1)  # the steady state: every stage runs an F and a B
+    assert t.peak_in_flight == [7, 5, 3, 1]
+    assert tick_tables(make_schedule("1f1b", 4, 16), lanes=1).peak_in_flight == [4, 3, 2, 1]
+    assert tick_tables(make_schedule("afab", 4, 8)).n_lanes == 1  # all F, then all B: nothing to pair
+
+
+def test_cli_reports_the_executors_makespan(capsys):
+    assert cli.main(["--schedule", "zb_h1", "--pp", "4", "--microbatches", "16", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["executor_makespan"] == got["makespan"] == 51
+    assert got["executor_lanes"] == 1 and got["executor_peak_in_flight"] == [4, 3, 2, 1]
+    assert cli.main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
+    assert "executor: 14 ticks of 2 lanes (F, then B) per tick, 33 cost units" in capsys.readouterr().out
