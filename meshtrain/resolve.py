@@ -7,7 +7,7 @@ step, the memory guard, the planner and the inspector. Nothing below this module
 
     attention        reference | cudnn | pallas      auto: cudnn on a GPU in bf16/fp16, pallas there when
                                                      documents are masked or the sequence is split over
-                                                     cp/sp, reference elsewhere and inside pipeline stages
+                                                     cp/sp, reference elsewhere
     attention_kernel mosaic | triton | ""            the Pallas attention's kernels (auto: Mosaic where it
                                                      can run, Triton elsewhere); "" unless attention=pallas
     interpret        the Pallas kernels run in interpret mode (CPU: tests)
@@ -97,7 +97,7 @@ def resolve(cfg: Config, degrees: Mapping[str, int], backend: str) -> Execution:
     sequence_sharded = degrees["cp"] * degrees["sp"] > 1
     pipelined = degrees["pp"] > 1
     compute = jnp.dtype(cfg.precision.compute)
-    attention = _attention(m.attention, backend, compute, cfg.data.document_mask, sequence_sharded, pipelined)
+    attention = _attention(m.attention, backend, compute, cfg.data.document_mask, sequence_sharded)
     kernel = _attention_kernel(m.attention_kernel, m.kv_dim, compute, interpret) if attention == "pallas" else ""
     experts = moe.n_experts > 0
     tp_ring = (cfg.parallel.tp_overlap == "collective_matmul" and degrees["tp"] > 1)
@@ -117,12 +117,9 @@ def resolve_for_mesh(cfg: Config, mesh) -> Execution:
     return resolve(cfg, dict(mesh.shape), mesh.devices.flat[0].platform)
 
 
-def _attention(impl: str, backend: str, compute: jnp.dtype, document_mask: bool, sequence_sharded: bool,
-               pipelined: bool) -> str:
+def _attention(impl: str, backend: str, compute: jnp.dtype, document_mask: bool, sequence_sharded: bool) -> str:
     if impl != "auto":
         return impl
-    if pipelined:  # neither fused implementation runs inside a pipeline stage yet (config.pipeline_problems)
-        return "reference"
     if backend != "gpu" or compute not in FUSED_DTYPES:
         return "reference"
     # cuDNN measured fastest (docs/PERFORMANCE.md) but masks by index only: no segment ids, no split sequence.

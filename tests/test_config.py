@@ -83,8 +83,6 @@ BAD = [
                  ["pipeline.virtual_stages=2", "pipeline.schedule=interleaved"], id="pp-chunks-need-interleaved"),
     pytest.param(["mesh.pp=2", "train.grad_accum=2", "model.scan_layers=false"], None,
                  ["model.scan_layers=false", "mesh.pp"], id="pp-needs-scanned-layers"),
-    pytest.param(["mesh.pp=2", "train.grad_accum=2", "model.attention=pallas"], None,
-                 ["model.attention=pallas", "mesh.pp=2"], id="pp-pallas-kernels"),
     pytest.param(["pipeline.schedule=gpipe"], None, ["pipeline.schedule='gpipe'", "1f1b"], id="pp-unknown-schedule"),
     pytest.param(["mesh.cp=2", "data.seq_len=62"], None, ["data.seq_len=62", "2*mesh.cp*mesh.sp = 4"],
                  id="seq-len-not-divisible-by-zigzag-chunks"),

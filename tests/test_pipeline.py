@@ -48,6 +48,10 @@ CASES = {
                               "train.grad_accum=8"],
     "dualpipe_v-pp4-tp2": ["pipeline.schedule=dualpipe_v", "pipeline.virtual_stages=2", "mesh.pp=4",
                            "mesh.fsdp=1", "mesh.tp=2", "train.grad_accum=8"],
+    # the fused kernels inside the stages (interpreted on the CPU), each called on its device's shard
+    "1f1b-pp2-fsdp2-tp2-kernels": ["pipeline.schedule=1f1b", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
+                                   "train.grad_accum=4", "model.attention=pallas", "model.norm=pallas",
+                                   "model.loss=fused"],
 }
 STEP_CASE = "1f1b-pp2-fsdp2-tp2-zero3"  # also runs the real train step and the checkpoint round trips
 

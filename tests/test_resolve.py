@@ -61,7 +61,7 @@ def test_the_decisions_on_a_gpu():
     assert on_gpu().attention == "cudnn" and not on_gpu().interpret
     assert on_gpu("data.document_mask=true").attention == "pallas"
     assert on_gpu(cp=2).attention == "pallas"
-    assert on_gpu(pp=2).attention == "reference"  # the fused kernels do not run inside a stage yet
+    assert on_gpu(pp=2).attention == "cudnn"  # inside a stage too (called per shard there)
     assert on_gpu("precision.compute=float32").attention == "reference"
     assert on_gpu("model.attention=pallas", "model.attention_kernel=triton").attention_kernel == "triton"
     moe = on_gpu("model.preset=tiny_moe", ep=2)

@@ -201,7 +201,7 @@ def parallel_problems(cfg: Config, degrees: dict[str, int] | None) -> list[str]:
 
 
 def pipeline_problems(cfg: Config, pp: int) -> list[str]:
-    """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, layer split, kernels."""
+    """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, the layer split, fp8 state."""
     m, pl = cfg.model, cfg.pipeline
     problems = validate_args(pl.schedule, pp, cfg.train.grad_accum, pl.virtual_stages,
                              names={"kind": "pipeline.schedule", "n_stages": "mesh.pp",
@@ -214,20 +214,9 @@ def pipeline_problems(cfg: Config, pp: int) -> list[str]:
     if not m.scan_layers:
         problems.append("model.scan_layers=false: the pipeline splits the stacked layer axis over mesh.pp; set "
                         "model.scan_layers=true")
-    for name, value in (("attention", m.attention), ("norm", m.norm), ("loss", m.loss)):
-        if value in ("pallas", "fused"):
-            problems.append(f"model.{name}={value}: the Pallas kernels do not run inside a pipeline stage yet; "
-                            f"use model.{name}={'reference' if name != 'attention' else 'cudnn or reference'} "
-                            f"with mesh.pp={pp}")
-    if m.attention == "cudnn":  # seen on jax 0.11.2: its partitioning rule fails inside the pp-manual region
-        problems.append(f"model.attention=cudnn: cuDNN attention does not compile inside a pipeline stage "
-                        f"(mesh.pp={pp}); use model.attention=reference (auto picks it under pp)")
     if cfg.precision.matmul == "fp8_delayed":
         problems.append(f"precision.matmul=fp8_delayed with mesh.pp={pp}: the pipeline does not carry the amax "
                         f"histories yet; use precision.matmul=fp8 (current scaling)")
-    if cfg.data.document_mask and m.attention == "auto":  # auto picks the Pallas kernel on a GPU
-        problems.append(f"model.attention=auto with data.document_mask=true and mesh.pp={pp}: the Pallas kernel it "
-                        f"picks on a GPU does not run inside a pipeline stage yet; set model.attention=reference")
     return problems
 
 

@@ -41,11 +41,13 @@ def attention(q_bthe: jax.Array, k_btke: jax.Array, v_btke: jax.Array, positions
                                          interpret=exe.interpret)
     if impl == "reference":
         return reference_attention(q_bthe, k_btke, v_btke, positions_bt, segment_ids_bt)
+    from meshtrain.model.kernels import cudnn_attention, pallas_attention
     if impl == "cudnn":
         if document_mask:  # validate() refuses this; a direct caller gets the same message
             raise ValueError("model.attention=cudnn cannot mask documents; use model.attention=pallas or auto")
+        if rules.mesh.manual_axes:  # a pipeline stage: GSPMD's rule for the cuDNN call does not apply there
+            return cudnn_attention(q_bthe, k_btke, v_btke, rules)
         return jax.nn.dot_product_attention(q_bthe, k_btke, v_btke, is_causal=True, implementation="cudnn")
-    from meshtrain.model.kernels import pallas_attention
     return pallas_attention(q_bthe, k_btke, v_btke, segment_ids_bt if document_mask else None, rules,
                             exe.attention_kernel, exe.interpret)
 

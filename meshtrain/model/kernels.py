@@ -1,6 +1,7 @@
 """The Pallas kernels (pallas_kernels/) as model building blocks: each call runs shard-locally.
 
-`model.attention=pallas`, `model.norm=pallas` and `model.loss=fused` route here. On a CPU the same
+`model.attention=pallas`, `model.norm=pallas` and `model.loss=fused` route here, and cuDNN attention
+inside a pipeline stage. On a CPU the same
 kernels run in Pallas interpret mode (slow; for tests): the caller passes the Execution's `interpret`.
 """
 from __future__ import annotations
@@ -17,6 +18,24 @@ def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, se
                      rules: ShardingRules, backend: str, interpret: bool) -> jax.Array:
     """Causal flash attention on each device's shard; segment ids (if given) mask documents. backend:
     the kernels (mosaic or triton, as the Execution decided)."""
+    def flash(q, k, v, seg):
+        return pk.flash_attention(q, k, v, causal=True, segment_ids=seg, interpret=interpret, backend=backend)
+
+    return per_shard_attention(flash, q_bthe, k_bske, v_bske, segment_ids_bt, rules)
+
+
+def cudnn_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, rules: ShardingRules) -> jax.Array:
+    """cuDNN's fused attention on each device's shard. Inside a pipeline stage (a region manual over pp)
+    its partitioning rule does not apply, so the stage calls it per shard, as it calls the Pallas kernels."""
+    def cudnn(q, k, v, seg):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    return per_shard_attention(cudnn, q_bthe, k_bske, v_bske, None, rules)
+
+
+def per_shard_attention(attend, q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array,
+                        segment_ids_bt: jax.Array | None, rules: ShardingRules) -> jax.Array:
+    """attend(q, k, v, segment ids or None) on each device's shard of q [B, T, H, E] and k, v [B, S, K, E]."""
     h, kv = q_bthe.shape[2], k_bske.shape[2]
     tp = rules.mesh.shape["tp"]
     kv_split = kv % tp == 0  # otherwise every tp shard holds all kv heads (replicated, Megatron style)
@@ -24,8 +43,7 @@ def pallas_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, se
     def local(q, k, v, *seg):
         if not kv_split and tp > 1:
             k, v = tp_shard_kv_head(k, h, tp), tp_shard_kv_head(v, h, tp)
-        return pk.flash_attention(q, k, v, causal=True, segment_ids=seg[0] if seg else None, interpret=interpret,
-                                  backend=backend)
+        return attend(q, k, v, seg[0] if seg else None)
 
     if segment_ids_bt is None:
         return shard_local(local, rules, (Q, KV, KV), Q)(q_bthe, k_bske, v_bske)

@@ -26,8 +26,12 @@ def shard_local(fn: Callable, rules: ShardingRules, in_names: Sequence[LogicalNa
     in_specs = tuple(rules.spec(n) for n in in_names)
     multi = bool(out_names) and isinstance(out_names[0], (tuple, list))
     out_specs = tuple(rules.spec(n) for n in out_names) if multi else rules.spec(out_names)
+    # Inside a region already manual over some axes (a pipeline stage: pp), go manual over the rest.
+    manual = set(getattr(rules.mesh, "manual_axes", ()))
+    axes = frozenset(a for a in rules.mesh.axis_names if a not in manual)
     # check_vma off: the kernels are opaque to JAX's replication checker.
-    return jax.shard_map(fn, mesh=rules.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.shard_map(fn, mesh=rules.mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes,
+                         check_vma=False)
 
 
 def tp_shard_kv_head(kv_bske: jax.Array, n_heads: int, tp: int) -> jax.Array:
