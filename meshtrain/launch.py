@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from meshtrain import xla_flags
+from meshtrain import signals, xla_flags
 from meshtrain.config import Config, ConfigError, build_config, cpu_default_overrides, load_config
 
 if TYPE_CHECKING:
@@ -39,6 +39,13 @@ GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "j
 
 
 # -- errors and the command body ------------------------------------------------------------------
+
+def program(main: Callable[[], int], outside_loop: str = "interrupted: stopped without saving") -> None:
+    """A command's process entry (`if __name__ == "__main__"`): SIGINT/SIGTERM taken before jax starts
+    (meshtrain.signals: one line, exit 128+signal, at any moment; the loop saves and stops), then main."""
+    signals.install(outside_loop)
+    sys.exit(main())
+
 
 def fail(e: ConfigError) -> int:
     for line in e.problems:

@@ -74,4 +74,4 @@ def train_from(cfg) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.program(main, "interrupted before training started: stopped without saving")

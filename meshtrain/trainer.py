@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from meshtrain import signals
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import Config
 from meshtrain.evaluation import evaluate, make_eval_step
@@ -43,32 +44,6 @@ class RunResult:
     saved_on_stop: bool = False  # a checkpoint holds the step the run stopped at
 
 
-class _StopFlag:
-    """SIGTERM/SIGINT ask the loop to save and stop after the current step (preemption)."""
-
-    def __init__(self) -> None:
-        self.raised = False
-        self.signum = 0
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.raised:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.raised, self.signum = True, signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
@@ -87,7 +62,7 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         return RunResult(final_step=start, resumed_from=resumed)
 
     loop = _Loop(setup, state, ckpt, resumed, state_s)
-    with _StopFlag() as stop:
+    with signals.loop() as stop:  # SIGTERM/SIGINT: save and stop after the current step (preemption)
         try:
             for step in range(start, t.steps):
                 done = loop.dispatch(step)  # queues the step, then reads the one before: never waits for it
