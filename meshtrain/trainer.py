@@ -47,7 +47,7 @@ class RunResult:
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
-    use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
+    use_ckpt = cfg.checkpoint.every > 0 or cfg.checkpoint.final or Checkpointer.exists(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save) \
         if use_ckpt else None
     began = time.perf_counter()
@@ -138,8 +138,8 @@ class _Loop:
             self.record(*pending)
 
     def maybe_save(self, done: int) -> None:
-        every = self.setup.cfg.checkpoint.every
-        if self.ckpt and every and (done % every == 0 or done == self.t.steps):
+        every, final = self.setup.cfg.checkpoint.every, self.setup.cfg.checkpoint.final
+        if self.ckpt and ((every and done % every == 0) or ((every or final) and done == self.t.steps)):
             self.paused(self.ckpt.save, done, self.state, self.setup.cfg.to_dict())
 
     def maybe_evaluate(self, done: int) -> None:
@@ -167,7 +167,8 @@ class _Loop:
                            f"{self.ckpt.directory}: run the same command to resume")
         else:
             self.log.write(f"stopped by signal after step {result.final_step} ({name}) WITHOUT a checkpoint "
-                           f"(checkpoint.every=0): this run cannot be resumed; set checkpoint.every to make it so")
+                           f"(checkpoint.every=0, checkpoint.final=false): this run cannot be resumed; set "
+                           f"checkpoint.final=true or checkpoint.every to make it so")
 
     def close(self) -> None:
         self.feed.close()

@@ -123,12 +123,28 @@ def test_ctrl_c_without_a_checkpoint_says_so_and_exits_130(monkeypatch, capsys, 
 
     monkeypatch.setattr(MetricsLog, "log", log_then_interrupt)
     rc = run.main([*TINY, "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "train.steps=50", "train.log_every=1",
-                   f"run.dir={tmp_path}"])
+                   "checkpoint.final=false", f"run.dir={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 130
     assert re.search(r"stopped by signal after step \d+ \(SIGINT\) WITHOUT a checkpoint", out)
     assert "done:" not in out
     assert int(re.search(r"after step (\d+)", out).group(1)) <= pressed[0] + 2  # stopped soon, not at 50
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_the_default_run_saves_a_final_checkpoint_and_says_where(capsys, tmp_path, final):
+    """checkpoint.every=0 saved nothing and the end line did not say so: evaluate, generate and export on
+    that run then failed with "holds no committed checkpoint"."""
+    rc = run.main([*TINY, "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "train.steps=2", f"checkpoint.final={final}",
+                   f"run.dir={tmp_path}"])
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    assert rc == 0 and len(done) == 1
+    if final:
+        assert Checkpointer.exists(str(tmp_path / "checkpoints"))
+        assert f"checkpoint of step 2 in {tmp_path / 'checkpoints'}" in done[0]
+    else:
+        assert not Checkpointer.exists(str(tmp_path / "checkpoints"))
+        assert "NO checkpoint saved" in done[0] and "checkpoint.final=true" in done[0]
 
 
 def test_ctrl_c_at_start_up_is_no_traceback(monkeypatch, capsys, tmp_path):

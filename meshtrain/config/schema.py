@@ -194,7 +194,8 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""  # empty: <run.dir>/checkpoints
-    every: int = 0  # steps between saves; 0 disables saving (restore still happens if dir has one)
+    every: int = 0  # steps between saves; 0: none during the run (restore still happens if dir has one)
+    final: bool = True  # also save after the last step and when SIGTERM/Ctrl-C stops the run
     keep: int = 3  # keep the last N committed checkpoints
     async_save: bool = True
     init_from: str = ""  # hf:DIR starts a fresh run from a Hugging Face Llama directory (its shape too)
