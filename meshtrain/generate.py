@@ -25,6 +25,10 @@ class ByteTokenizer:
 
 class FileTokenizer:
     def __init__(self, path: Path):
+        from meshtrain.config.run_checks import missing_package
+        missing = missing_package("tokenizers", "data", f"the tokenizer {path}")
+        if missing:
+            raise ConfigError(missing)
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(str(path))
 

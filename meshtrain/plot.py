@@ -2,7 +2,7 @@
 
 Draws four panels against step from each run's metrics.jsonl, the runs overlaid in one colour each:
 training loss (solid) with eval loss (dashed markers), tokens/s, and device memory in use and its peak
-(where the backend reported them; a CPU reports none). Needs matplotlib (`pip install 'meshtrain[plot]'`).
+(where the backend reported them; a CPU reports none). Needs matplotlib (`pip install -e ".[plot]"`).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError:
-        print("error: plotting needs matplotlib: pip install 'meshtrain[plot]'", file=sys.stderr)
+        print('error: plotting needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
     print(f"plot: {', '.join(args.runs)} -> {args.out} ({args.width} x {args.height})")
     return 0

@@ -166,3 +166,44 @@ def test_bad_token_ids_are_reported_before_the_banner(capsys, tmp_path):
     assert rc == 2
     assert f"data.path='{tmp_path / 'tokens.npy'}': token id 300 >= model.vocab_size=128" in captured.err
     assert "meshtrain: mesh" not in captured.out  # no banner, no device set-up first
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """Make the named packages look uninstalled to importlib.util.find_spec."""
+    import importlib.util
+    real, gone = importlib.util.find_spec, set()
+
+    def find_spec(name, *args, **kwargs):
+        return None if name.split(".")[0] in gone else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    return gone.update
+
+
+def test_pallas_attention_without_triton_is_one_config_error_before_the_banner(without, capsys, tmp_path):
+    """Before: 69 lines of traceback from inside the first step, after the start-up."""
+    without({"triton", "jax_triton"})
+    rc = run.main([*TINY, "model.attention=pallas", "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", f"run.dir={tmp_path}"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "meshtrain: mesh" not in captured.out and "Traceback" not in captured.err
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("config error: model.attention=pallas (") and line.endswith(
+        'needs the triton package: pip install -e ".[triton]"')
+
+
+def test_missing_optional_packages_name_the_readme_install_line(without, tmp_path):
+    import tomllib
+
+    from meshtrain import generate
+    from meshtrain.config import ConfigError, build_config
+    from meshtrain.config.run_checks import run_problems
+
+    without({"tokenizers", "tensorboardX"})
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape('needs the tokenizers package: pip install -e ".[data]"')):
+        generate.pick_tokenizer(None, tmp_path, 256)  # the README's generate on an HF fine-tune
+    assert run_problems(build_config({}, ["run.tensorboard=true"])) == [
+        'run.tensorboard=true needs the tensorboardX package: pip install -e ".[tensorboard]"']
+    extras = tomllib.loads(open("pyproject.toml").read())["project"]["optional-dependencies"]
+    assert any(d.startswith("tensorboard>") for d in extras["tensorboard"])  # the viewer the messages name
