@@ -207,3 +207,17 @@ def test_missing_optional_packages_name_the_readme_install_line(without, tmp_pat
         'run.tensorboard=true needs the tensorboardX package: pip install -e ".[tensorboard]"']
     extras = tomllib.loads(open("pyproject.toml").read())["project"]["optional-dependencies"]
     assert any(d.startswith("tensorboard>") for d in extras["tensorboard"])  # the viewer the messages name
+
+
+def test_banner_names_the_data_source_and_the_matmul_recipe(capsys):
+    from meshtrain.resolve import resolve_for_mesh
+
+    def banner(*overrides):
+        cfg, mesh = one_device(single_device(tiny_config(*overrides)))
+        launch.banner(cfg, mesh, resolve_for_mesh(cfg, mesh))
+        return capsys.readouterr().out
+
+    out = banner()
+    assert "matmul plain" in out and "data synthetic corpus (data.source=synthetic), lr 0.01" in out
+    out = banner("precision.matmul=fp8_delayed", "precision.fp8_exclude=lm_head")
+    assert "matmul fp8_delayed (plain: lm_head)" in out
