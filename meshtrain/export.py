@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -57,11 +58,22 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
                 shutil.copy2(source_dir / name, out / name)
                 files.append(name)
     (out / "config.json").write_text(json.dumps(config_json(cfg.model, dtype=dtype, extra=extra), indent=2) + "\n")
-    return step, files + ["config.json"]
+    files.append("config.json")
+    readable(out, files)
+    return step, files
+
+
+def readable(out: Path, files: list[str]) -> None:
+    """The files get the mode any new file gets here (0644 under the usual umask): the safetensors writer
+    leaves 0600, which other users and a model server running as another user cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in files:
+        os.chmod(out / name, 0o666 & ~umask)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.export", description=__doc__.splitlines()[2].strip())
+    p = argparse.ArgumentParser(prog="python -m meshtrain.export", description=" ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a meshtrain run directory or its checkpoints/")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="directory to write")

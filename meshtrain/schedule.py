@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             draw_png(s, args.png, args.units)
         except ImportError:
-            print("error: --png needs matplotlib: pip install matplotlib (or pip install -e ".[plot]")",
+            print("error: --png needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')",
                   file=sys.stderr)
             return 1
         except OSError as e:

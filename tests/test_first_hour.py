@@ -234,3 +234,48 @@ def test_banner_names_the_data_source_and_the_matmul_recipe(capsys):
     assert "matmul plain" in out and "data synthetic corpus (data.source=synthetic), lr 0.01" in out
     out = banner("precision.matmul=fp8_delayed", "precision.fp8_exclude=lm_head")
     assert "matmul fp8_delayed (plain: lm_head)" in out
+
+
+def test_exported_files_are_readable_like_any_new_file(saved_run, tmp_path):
+    """The safetensors writer left model.safetensors at 0600."""
+    import os
+
+    from meshtrain.export import export
+
+    _, run_dir, _, _ = saved_run
+    _, files = export(str(run_dir), tmp_path / "hf")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert "model.safetensors" in files
+    assert {f: oct((tmp_path / "hf" / f).stat().st_mode & 0o777) for f in files} == {
+        f: oct(0o666 & ~umask) for f in files}
+
+
+@pytest.mark.parametrize("command", ["export", "plot"])
+def test_help_says_the_whole_description(command, capsys):
+    """export --help and plot --help stopped mid-sentence (the first line of a paragraph)."""
+    import importlib
+
+    module = importlib.import_module(f"meshtrain.{command}")
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    paragraph = " ".join(module.__doc__.split("\n\n")[1].split())
+    assert paragraph.endswith(".") and paragraph in out
+
+
+def test_plot_of_cpu_runs_has_no_empty_memory_panel(saved_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from meshtrain import plot
+
+    _, run_dir, _, _ = saved_run
+    fig = plot.plot_runs([str(run_dir)], tmp_path / "curves.png", width=400, height=300)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "tokens/s"]
+
+
+def test_python_dash_m_meshtrain_lists_the_commands():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "meshtrain"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert "python -m meshtrain.run" in proc.stdout and "python -m meshtrain.generate" in proc.stdout
