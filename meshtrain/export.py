@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from meshtrain import launch
+from meshtrain.config import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -34,6 +35,10 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
     from meshtrain.mesh import build_mesh
     from meshtrain.step.state import abstract_params, build_setup
 
+    if source.startswith("hf:"):
+        raise ConfigError(f"--checkpoint {source!r}: export writes a meshtrain run as a Hugging Face directory, and "
+                          f"this already is one; to export a fine-tune of it, train with checkpoint.init_from={source} "
+                          f"and export that run directory")
     ckpt, step, saved = saved_run(source, step)
     values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}
     cfg = build_config(values, ["mesh.fsdp=1"])
