@@ -53,3 +53,14 @@ def test_launch_local_without_a_gpu_names_run_cpu_devices():
     proc = subprocess.run(["bash", "scripts/launch_local.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin"})  # no nvidia-smi
     assert proc.returncode == 2 and "run.cpu_devices" in proc.stderr
+
+
+def test_generate_warns_past_the_trained_length_and_announces_long_decodes():
+    """It sampled 100000 tokens past a 64-token training length without a word (and, before meshtrain.signals,
+    without heeding Ctrl-C)."""
+    from meshtrain.generate import length_notes
+
+    assert length_notes(10, 32, 64, 1) == []
+    warning, long = length_notes(10, 2000, 64, 2)
+    assert "= 2010 tokens, past the 64 the model was trained on (data.seq_len)" in warning
+    assert long.startswith("sampling 2000 tokens for 2 prompt(s)") and "Ctrl-C" in long
