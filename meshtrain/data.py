@@ -230,6 +230,18 @@ def check_token_files(data: DataConfig, vocab_size: int) -> list[str]:
             starts = np.linspace(0, n - block, 64).astype(np.int64)
         top = max((int(tokens[s: s + block].max()) for s in starts), default=0)
         if top >= vocab_size:
-            problems.append(f"{field}={path!r}: token id {top} >= model.vocab_size={vocab_size}; set "
-                            f"model.vocab_size to at least {top + 1} (the tokenizer's vocabulary) or re-tokenize the data")
+            other = _fitting_dtype(p, data.dtype, vocab_size)
+            problems.append(f"{field}={path!r}: token id {top} >= model.vocab_size={vocab_size}; " + (
+                f"read as {other} its ids fit: set data.dtype={other}" if other else
+                f"set model.vocab_size to at least {top + 1} (the tokenizer's vocabulary) or re-tokenize the data"))
     return problems
+
+
+def _fitting_dtype(p: Path, dtype: str, vocab_size: int) -> str | None:
+    """The other raw element type, when the file's head read as it holds only ids < vocab_size (a uint16
+    file read as uint32 pairs its ids into numbers in the millions)."""
+    other = {"uint16": "uint32", "uint32": "uint16"}[dtype]
+    if p.suffix == ".npy" or p.stat().st_size % np.dtype(other).itemsize:
+        return None
+    head = np.fromfile(p, dtype=other, count=1 << 20)
+    return other if len(head) and int(head.max()) < vocab_size else None

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from meshtrain import launch
+from meshtrain.config import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -33,6 +35,10 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
     from meshtrain.mesh import build_mesh
     from meshtrain.step.state import abstract_params, build_setup
 
+    if source.startswith("hf:"):
+        raise ConfigError(f"--checkpoint {source!r}: export writes a meshtrain run as a Hugging Face directory, and "
+                          f"this already is one; to export a fine-tune of it, train with checkpoint.init_from={source} "
+                          f"and export that run directory")
     ckpt, step, saved = saved_run(source, step)
     values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}
     cfg = build_config(values, ["mesh.fsdp=1"])
@@ -57,11 +63,22 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
                 shutil.copy2(source_dir / name, out / name)
                 files.append(name)
     (out / "config.json").write_text(json.dumps(config_json(cfg.model, dtype=dtype, extra=extra), indent=2) + "\n")
-    return step, files + ["config.json"]
+    files.append("config.json")
+    readable(out, files)
+    return step, files
+
+
+def readable(out: Path, files: list[str]) -> None:
+    """The files get the mode any new file gets here (0644 under the usual umask): the safetensors writer
+    leaves 0600, which other users and a model server running as another user cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in files:
+        os.chmod(out / name, 0o666 & ~umask)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.export", description=__doc__.splitlines()[2].strip())
+    p = argparse.ArgumentParser(prog="python -m meshtrain.export", description=" ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a meshtrain run directory or its checkpoints/")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="directory to write")
@@ -80,4 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.program(main)

@@ -25,6 +25,10 @@ class ByteTokenizer:
 
 class FileTokenizer:
     def __init__(self, path: Path):
+        from meshtrain.config.run_checks import missing_package
+        missing = missing_package("tokenizers", "data", f"the tokenizer {path}")
+        if missing:
+            raise ConfigError(missing)
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(str(path))
 
@@ -54,6 +58,23 @@ def eos_ids(hf_source: Path | None, data_eos: int) -> set[int]:
         eos = json.loads((hf_source / "config.json").read_text()).get("eos_token_id")
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ids
+
+
+LONG = 256  # new tokens past which the wait gets a line first: the whole decode is one compiled loop
+
+
+def length_notes(prompt_len: int, max_new_tokens: int, trained_len: int, n_prompts: int) -> list[str]:
+    """What to say before decoding: past the length the model was trained on (data.seq_len) its output
+    degrades, and a long decode prints nothing until it ends."""
+    notes = []
+    total = prompt_len + max_new_tokens
+    if total > trained_len:
+        notes.append(f"warning: prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} = {total} tokens, "
+                     f"past the {trained_len} the model was trained on (data.seq_len); expect worse text past it")
+    if max_new_tokens > LONG:
+        notes.append(f"sampling {max_new_tokens} tokens for {n_prompts} prompt(s) in one compiled loop: nothing prints "
+                     f"until it ends (Ctrl-C stops it at once)")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         if too_big:
             raise ConfigError(f"--prompt: token ids {too_big[:5]} are outside model.vocab_size={vocab}; pass the "
                               f"model's --tokenizer")
+        for line in length_notes(max(map(len, prompts)), args.max_new_tokens, loaded.cfg.data.seq_len, len(prompts)):
+            print(f"generate: {line}", file=sys.stderr, flush=True)
         new = generate(loaded.setup, loaded.params, prompts, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
         stop = eos_ids(loaded.hf_source, loaded.cfg.data.eos_id)
@@ -101,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.program(main)

@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from meshtrain import xla_flags
+from meshtrain import signals, xla_flags
 from meshtrain.config import Config, ConfigError, build_config, cpu_default_overrides, load_config
 
 if TYPE_CHECKING:
@@ -39,6 +39,13 @@ GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "j
 
 
 # -- errors and the command body ------------------------------------------------------------------
+
+def program(main: Callable[[], int], outside_loop: str = "interrupted: stopped without saving") -> None:
+    """A command's process entry (`if __name__ == "__main__"`): SIGINT/SIGTERM taken before jax starts
+    (meshtrain.signals: one line, exit 128+signal, at any moment; the loop saves and stops), then main."""
+    signals.install(outside_loop)
+    sys.exit(main())
+
 
 def fail(e: ConfigError) -> int:
     for line in e.problems:
@@ -173,7 +180,30 @@ def banner(cfg: Config, mesh: Mesh, exe: Execution) -> None:
     model = cfg.checkpoint.init_from or cfg.model.preset
     print(f"meshtrain: mesh {describe(mesh)}, model {model} "
           f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), {cfg.precision.compute} compute, "
-          f"ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, {exe.describe()}", flush=True)
+          f"matmul {matmul_recipe(cfg)}, ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, {exe.describe()}; "
+          f"data {data_source(cfg)}, lr {cfg.train.lr:g}", flush=True)
+    if cfg.checkpoint.init_from and cfg.data.source == "synthetic":
+        print(f"meshtrain: note: {cfg.checkpoint.init_from} is fine-tuned on the built-in synthetic corpus "
+              f"(data.source=synthetic); set data.source=file data.path=TOKENS to train on your data", flush=True)
+
+
+def data_source(cfg: Config) -> str:
+    d = cfg.data
+    if d.source == "synthetic":
+        return "synthetic corpus (data.source=synthetic)"
+    held_out = f", eval {d.eval_path}" if d.eval_path else (f", last {d.eval_fraction:g} held out" if d.eval_fraction
+                                                           else "")
+    return f"{d.path} ({d.dtype}{held_out})"
+
+
+def matmul_recipe(cfg: Config) -> str:
+    from meshtrain.config import fp8_exclude_patterns
+
+    p = cfg.precision
+    if p.matmul == "bf16":
+        return "plain"
+    kept = fp8_exclude_patterns(p)
+    return p.matmul + (f" (plain: {', '.join(kept)})" if kept else "")
 
 
 # -- argument helpers shared by the checkpoint commands (evaluate, generate) ----------------------

@@ -1,8 +1,8 @@
 """`python -m meshtrain.plot RUN_DIR [RUN_DIR ...] --out F.png [--width PX] [--height PX]`
 
-Draws four panels against step from each run's metrics.jsonl, the runs overlaid in one colour each:
-training loss (solid) with eval loss (dashed markers), tokens/s, and device memory in use and its peak
-(where the backend reported them; a CPU reports none). Needs matplotlib (`pip install 'meshtrain[plot]'`).
+Draws panels against step from each run's metrics.jsonl, the runs overlaid in one colour each:
+training loss (solid) with eval loss (dashed markers), tokens/s, and, where the backend reported it (a
+GPU; a CPU reports none), device memory in use and its peak. Needs matplotlib (`pip install -e ".[plot]"`).
 """
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ def plot_runs(run_dirs: list[str], out: str | Path, *, width: int = 1200, height
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(width / DPI, height / DPI), dpi=DPI, sharex=True)
-    for i, run_dir in enumerate(run_dirs):
+    runs = [read_metrics(run_dir) for run_dir in run_dirs]
+    memory = any("mem_gib" in r or "peak_mem_gib" in r for train, _ in runs for r in train)
+    panels = PANELS if memory else PANELS[:2]  # no empty memory panel for CPU runs
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width / DPI, height / DPI), dpi=DPI, sharex=True)
+    for i, (run_dir, (train, evals)) in enumerate(zip(run_dirs, runs)):
         color = f"C{i % 10}"
         name = Path(run_dir).resolve().name
-        train, evals = read_metrics(run_dir)
         steps = [r["step"] for r in train]
         dots = "." if len(train) < 50 else None  # a short run is a few points: show them
         axes[0].plot(steps, [r["loss"] for r in train], color=color, marker=dots, label=f"{name} train")
@@ -49,10 +51,10 @@ def plot_runs(run_dirs: list[str], out: str | Path, *, width: int = 1200, height
                      label=name)
         for key, style in (("mem_gib", "-"), ("peak_mem_gib", ":")):
             have = [r for r in train if key in r]
-            if have:
+            if have and memory:
                 axes[2].plot([r["step"] for r in have], [r[key] for r in have], color=color, linestyle=style,
                              label=f"{name} {'peak' if key.startswith('peak') else 'in use'}")
-    for ax, title in zip(axes, PANELS):
+    for ax, title in zip(axes, panels):
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -67,7 +69,7 @@ def plot_runs(run_dirs: list[str], out: str | Path, *, width: int = 1200, height
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m meshtrain.plot", description=__doc__.splitlines()[2].strip())
+    p = argparse.ArgumentParser(prog="python -m meshtrain.plot", description=" ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--width", type=int, default=1200, help="pixels")
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError:
-        print("error: plotting needs matplotlib: pip install 'meshtrain[plot]'", file=sys.stderr)
+        print('error: plotting needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
     print(f"plot: {', '.join(args.runs)} -> {args.out} ({args.width} x {args.height})")
     return 0

@@ -128,12 +128,24 @@ def _attention(impl: str, backend: str, compute: jnp.dtype, document_mask: bool,
 
 def _attention_kernel(kernel: str, head_dim: int, compute: jnp.dtype, interpret: bool) -> str:
     if kernel == "triton":
-        return "triton"
+        return _triton_installed(interpret, "model.attention_kernel=triton")
     why = pk.mosaic_unavailable(head_dim, compute, interpret=interpret)
     if kernel == "mosaic" and why:
         raise ConfigError(f"model.attention_kernel=mosaic: {why}; use model.attention_kernel=auto (Mosaic where it "
                           f"can run, Triton elsewhere) or triton")
-    return "triton" if why else "mosaic"
+    return _triton_installed(interpret, f"model.attention=pallas ({why}, so its Triton kernels)") if why else "mosaic"
+
+
+def _triton_installed(interpret: bool, what: str) -> str:
+    """"triton" when its packages are there (the interpreter needs triton; a GPU, jax-triton too), else the
+    config error now, before any device work, not an import traceback inside the first step."""
+    from meshtrain.config.run_checks import missing_package
+
+    modules = ("triton",) if interpret else ("triton", "jax_triton")
+    missing = [p for p in (missing_package(m, "triton", what) for m in modules) if p]
+    if missing:
+        raise ConfigError(missing)
+    return "triton"
 
 
 def _moe_exchange(dispatch: str, backend: str) -> str:

@@ -67,11 +67,23 @@ def train_from(cfg) -> int:
     if jax.process_index() == 0 and result.records:
         first, last = result.records[0], result.records[-1]
         print(f"done: step {result.final_step}, loss {first['loss']:.4f} (step {first['step']}) -> "
-              f"{last['loss']:.4f} (step {last['step']}); metrics in {cfg.run.dir}/metrics.jsonl", flush=True)
+              f"{last['loss']:.4f} (step {last['step']}); metrics in {cfg.run.dir}/metrics.jsonl; "
+              f"{saved_where(cfg, result.final_step)}", flush=True)
     if started.multi_process:  # leave together: a process that exits first makes the others log connection errors
         jax.distributed.shutdown()
     return 0
 
 
+def saved_where(cfg, step: int) -> str:
+    """Where the run's checkpoint is, or that there is none and how to get one (the commands that read a
+    run -- evaluate, generate, export -- need one)."""
+    from meshtrain.checkpoint import Checkpointer
+
+    if Checkpointer.exists(cfg.checkpoint_dir):
+        return f"checkpoint of step {step} in {cfg.checkpoint_dir} (evaluate, generate and export read it)"
+    return ("NO checkpoint saved (checkpoint.every=0, checkpoint.final=false): evaluate, generate and export "
+            "need one; set checkpoint.final=true")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    launch.program(main, "interrupted before training started: stopped without saving")

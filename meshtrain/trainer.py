@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from meshtrain import signals
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.config import Config
 from meshtrain.evaluation import evaluate, make_eval_step
@@ -43,36 +44,10 @@ class RunResult:
     saved_on_stop: bool = False  # a checkpoint holds the step the run stopped at
 
 
-class _StopFlag:
-    """SIGTERM/SIGINT ask the loop to save and stop after the current step (preemption)."""
-
-    def __init__(self) -> None:
-        self.raised = False
-        self.signum = 0
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.raised:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.raised, self.signum = True, signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
-    use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
+    use_ckpt = cfg.checkpoint.every > 0 or cfg.checkpoint.final or Checkpointer.exists(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save) \
         if use_ckpt else None
     began = time.perf_counter()
@@ -87,7 +62,7 @@ def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
         return RunResult(final_step=start, resumed_from=resumed)
 
     loop = _Loop(setup, state, ckpt, resumed, state_s)
-    with _StopFlag() as stop:
+    with signals.loop() as stop:  # SIGTERM/SIGINT: save and stop after the current step (preemption)
         try:
             for step in range(start, t.steps):
                 done = loop.dispatch(step)  # queues the step, then reads the one before: never waits for it
@@ -163,8 +138,8 @@ class _Loop:
             self.record(*pending)
 
     def maybe_save(self, done: int) -> None:
-        every = self.setup.cfg.checkpoint.every
-        if self.ckpt and every and (done % every == 0 or done == self.t.steps):
+        every, final = self.setup.cfg.checkpoint.every, self.setup.cfg.checkpoint.final
+        if self.ckpt and ((every and done % every == 0) or ((every or final) and done == self.t.steps)):
             self.paused(self.ckpt.save, done, self.state, self.setup.cfg.to_dict())
 
     def maybe_evaluate(self, done: int) -> None:
@@ -192,7 +167,8 @@ class _Loop:
                            f"{self.ckpt.directory}: run the same command to resume")
         else:
             self.log.write(f"stopped by signal after step {result.final_step} ({name}) WITHOUT a checkpoint "
-                           f"(checkpoint.every=0): this run cannot be resumed; set checkpoint.every to make it so")
+                           f"(checkpoint.every=0, checkpoint.final=false): this run cannot be resumed; set "
+                           f"checkpoint.final=true or checkpoint.every to make it so")
 
     def close(self) -> None:
         self.feed.close()

@@ -12,6 +12,11 @@
 set -uo pipefail
 N=${1:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 shift || true
+if [[ "$N" == 0 ]]; then
+    echo "launch_local.sh: no GPU found (nvidia-smi lists none): give the number of processes first; on CPUs each" \
+         "process simulates run.cpu_devices devices, e.g. bash scripts/launch_local.sh 2 run.cpu_devices=4" >&2
+    exit 2
+fi
 if ! [[ "$N" =~ ^[1-9][0-9]*$ ]]; then
     echo "launch_local.sh: the first argument is the number of processes (one per GPU), got '$N'" >&2
     exit 2
@@ -23,11 +28,14 @@ mkdir -p "$LOG_DIR"
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT JAX_NUM_PROCESSES=$N
 
 pids=()
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 for ((i = 0; i < N; i++)); do
+    dev=()  # on CPUs every process simulates its own run.cpu_devices devices
+    ((GPUS > 0)) && dev=(distributed.local_device_ids=$i)
     if ((i == 0)); then
-        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" distributed.local_device_ids=$i &
+        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" "${dev[@]}" &
     else
-        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" distributed.local_device_ids=$i run.progress=false \
+        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" "${dev[@]}" run.progress=false \
             > "$LOG_DIR/process_$i.log" 2>&1 &
     fi
     pids+=($!)

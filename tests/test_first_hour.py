@@ -52,9 +52,22 @@ def test_help_shows_the_defaults_that_apply_here(monkeypatch, capsys):
     lines = help_lines(monkeypatch, capsys, on_cpu=True)
     assert re.search(r"default 2 \(this CPU-only machine's run without --config; 1 otherwise\)", lines["mesh.dp"])
     assert "default 60 " in lines["train.steps"] and "default 2 " in lines["mesh.tp"]
-    assert lines["model.d_model"].rstrip().endswith("default 128")  # unchanged: no note
+    assert re.search(r"default 128 -- ", lines["model.d_model"])  # unchanged: no note
     lines = help_lines(monkeypatch, capsys, on_cpu=False)
-    assert lines["mesh.dp"].rstrip().endswith("default 1") and lines["train.steps"].rstrip().endswith("default 100")
+    assert re.search(r"default 1 -- ", lines["mesh.dp"]) and re.search(r"default 100 -- ", lines["train.steps"])
+
+
+def test_help_describes_every_key_on_one_line_from_the_schema(monkeypatch, capsys):
+    """Before: ~100 keys with no descriptions. Each line now carries its field's comment in schema.py."""
+    from meshtrain.config.loading import all_keys
+
+    lines = help_lines(monkeypatch, capsys, on_cpu=False)
+    assert set(all_keys()) <= set(lines)
+    undescribed = [k for k in all_keys() if not re.search(r" -- \S", lines[k])]
+    assert not undescribed
+    assert lines["checkpoint.keep"].endswith("-- keep the last N committed checkpoints")  # a trailing comment
+    assert "-- Which flash-attention kernels the Pallas path runs" in lines["model.attention_kernel"]  # a block above
+    assert "(docs/PERFORMANCE.md)." in lines["model.attention_kernel"]  # the whole block, on one line
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +136,28 @@ def test_ctrl_c_without_a_checkpoint_says_so_and_exits_130(monkeypatch, capsys, 
 
     monkeypatch.setattr(MetricsLog, "log", log_then_interrupt)
     rc = run.main([*TINY, "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "train.steps=50", "train.log_every=1",
-                   f"run.dir={tmp_path}"])
+                   "checkpoint.final=false", f"run.dir={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 130
     assert re.search(r"stopped by signal after step \d+ \(SIGINT\) WITHOUT a checkpoint", out)
     assert "done:" not in out
     assert int(re.search(r"after step (\d+)", out).group(1)) <= pressed[0] + 2  # stopped soon, not at 50
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_the_default_run_saves_a_final_checkpoint_and_says_where(capsys, tmp_path, final):
+    """checkpoint.every=0 saved nothing and the end line did not say so: evaluate, generate and export on
+    that run then failed with "holds no committed checkpoint"."""
+    rc = run.main([*TINY, "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", "train.steps=2", f"checkpoint.final={final}",
+                   f"run.dir={tmp_path}"])
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    assert rc == 0 and len(done) == 1
+    if final:
+        assert Checkpointer.exists(str(tmp_path / "checkpoints"))
+        assert f"checkpoint of step 2 in {tmp_path / 'checkpoints'}" in done[0]
+    else:
+        assert not Checkpointer.exists(str(tmp_path / "checkpoints"))
+        assert "NO checkpoint saved" in done[0] and "checkpoint.final=true" in done[0]
 
 
 def test_ctrl_c_at_start_up_is_no_traceback(monkeypatch, capsys, tmp_path):
@@ -150,3 +179,103 @@ def test_bad_token_ids_are_reported_before_the_banner(capsys, tmp_path):
     assert rc == 2
     assert f"data.path='{tmp_path / 'tokens.npy'}': token id 300 >= model.vocab_size=128" in captured.err
     assert "meshtrain: mesh" not in captured.out  # no banner, no device set-up first
+
+
+@pytest.fixture
+def without(monkeypatch):
+    """Make the named packages look uninstalled to importlib.util.find_spec."""
+    import importlib.util
+    real, gone = importlib.util.find_spec, set()
+
+    def find_spec(name, *args, **kwargs):
+        return None if name.split(".")[0] in gone else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    return gone.update
+
+
+def test_pallas_attention_without_triton_is_one_config_error_before_the_banner(without, capsys, tmp_path):
+    """Before: 69 lines of traceback from inside the first step, after the start-up."""
+    without({"triton", "jax_triton"})
+    rc = run.main([*TINY, "model.attention=pallas", "mesh.dp=8", "mesh.fsdp=1", "mesh.tp=1", f"run.dir={tmp_path}"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "meshtrain: mesh" not in captured.out and "Traceback" not in captured.err
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("config error: model.attention=pallas (") and line.endswith(
+        'needs the triton package: pip install -e ".[triton]"')
+
+
+def test_missing_optional_packages_name_the_readme_install_line(without, tmp_path):
+    import tomllib
+
+    from meshtrain import generate
+    from meshtrain.config import ConfigError, build_config
+    from meshtrain.config.run_checks import run_problems
+
+    without({"tokenizers", "tensorboardX"})
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape('needs the tokenizers package: pip install -e ".[data]"')):
+        generate.pick_tokenizer(None, tmp_path, 256)  # the README's generate on an HF fine-tune
+    assert run_problems(build_config({}, ["run.tensorboard=true"])) == [
+        'run.tensorboard=true needs the tensorboardX package: pip install -e ".[tensorboard]"']
+    extras = tomllib.loads(open("pyproject.toml").read())["project"]["optional-dependencies"]
+    assert any(d.startswith("tensorboard>") for d in extras["tensorboard"])  # the viewer the messages name
+
+
+def test_banner_names_the_data_source_and_the_matmul_recipe(capsys):
+    from meshtrain.resolve import resolve_for_mesh
+
+    def banner(*overrides):
+        cfg, mesh = one_device(single_device(tiny_config(*overrides)))
+        launch.banner(cfg, mesh, resolve_for_mesh(cfg, mesh))
+        return capsys.readouterr().out
+
+    out = banner()
+    assert "matmul plain" in out and "data synthetic corpus (data.source=synthetic), lr 0.01" in out
+    out = banner("precision.matmul=fp8_delayed", "precision.fp8_exclude=lm_head")
+    assert "matmul fp8_delayed (plain: lm_head)" in out
+
+
+def test_exported_files_are_readable_like_any_new_file(saved_run, tmp_path):
+    """The safetensors writer left model.safetensors at 0600."""
+    import os
+
+    from meshtrain.export import export
+
+    _, run_dir, _, _ = saved_run
+    _, files = export(str(run_dir), tmp_path / "hf", step=3)  # the module's own save (a later test resumes it)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert "model.safetensors" in files
+    assert {f: oct((tmp_path / "hf" / f).stat().st_mode & 0o777) for f in files} == {
+        f: oct(0o666 & ~umask) for f in files}
+
+
+@pytest.mark.parametrize("command", ["export", "plot"])
+def test_help_says_the_whole_description(command, capsys):
+    """export --help and plot --help stopped mid-sentence (the first line of a paragraph)."""
+    import importlib
+
+    module = importlib.import_module(f"meshtrain.{command}")
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    paragraph = " ".join(module.__doc__.split("\n\n")[1].split())
+    assert paragraph.endswith(".") and paragraph in out
+
+
+def test_plot_of_cpu_runs_has_no_empty_memory_panel(saved_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from meshtrain import plot
+
+    _, run_dir, _, _ = saved_run
+    fig = plot.plot_runs([str(run_dir)], tmp_path / "curves.png", width=400, height=300)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "tokens/s"]
+
+
+def test_python_dash_m_meshtrain_lists_the_commands():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "meshtrain"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert "python -m meshtrain.run" in proc.stdout and "python -m meshtrain.generate" in proc.stdout

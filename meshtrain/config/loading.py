@@ -4,8 +4,14 @@ for one release. Also the YAML dump and the --help listing.
 """
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import inspect
+import io
 import sys
+import textwrap
+import tokenize
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -99,6 +105,38 @@ def _coerce(key: str, raw: Any, tp: Any) -> Any:
     if tp is str:
         return "" if raw is None else str(raw)
     raise TypeError(f"unsupported config field type {tp} for {key}")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's comment in the schema's source, as one line: the comment on its own line, else the
+    comment block right above it (a field without either is missing from the dict)."""
+    lines = inspect.getsource(cls).splitlines()
+    body = ast.parse(textwrap.dedent("\n".join(lines))).body[0].body
+    docs = {}
+    for node in body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        row = node.lineno - 1
+        _, hash_, trailing = _code_and_comment(lines[row])
+        above = []
+        for prev in reversed(lines[:row]):
+            if not prev.strip().startswith("#"):
+                break
+            above.insert(0, prev.strip()[1:].strip())
+        text = trailing.strip() if hash_ else " ".join(above)
+        if text:
+            docs[node.target.id] = text
+    return docs
+
+
+def _code_and_comment(line: str) -> tuple[str, str, str]:
+    """Split off a trailing comment, ignoring a # inside a string literal."""
+    for tok in tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline):
+        if tok.type == tokenize.COMMENT:
+            code, hash_, comment = line.strip().partition(tok.string)
+            return code, "#", tok.string[1:]
+    return line, "", ""
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -202,18 +240,20 @@ def to_yaml(cfg: Config) -> str:
 
 
 def help_text(machine_defaults: list[str] | None = None, why: str = "") -> str:
-    """Every key, its type and the default that applies: `machine_defaults` (overrides such as the CPU
-    run's) replace the dataclass default, which is then named beside it with `why`."""
+    """Every key on one line: its type, the default that applies and what it does (its comment in the schema).
+    `machine_defaults` (overrides such as the CPU run's) replace the dataclass default, which is then named
+    beside it with `why`."""
     applied = build_config({}, machine_defaults or [])
     lines = []
     for section, cls in _section_types().items():
-        types_ = _field_types(cls)
+        types_, docs = _field_types(cls), field_docs(cls)
         for f in fields(cls):
             default, here = f.default, getattr(getattr(applied, section), f.name)
             tp = types_[f.name]
             kind = "|".join(map(str, get_args(tp))) if get_origin(tp) is Literal else tp.__name__
             note = f" ({why}; {default!r} otherwise)" if here != default else ""
-            lines.append(f"  {section + '.' + f.name:<30} {kind:<24} default {here!r}{note}")
+            doc = f" -- {docs[f.name]}" if f.name in docs else ""
+            lines.append(f"  {section + '.' + f.name:<30} {kind:<24} default {here!r}{note}{doc}")
     return "\n".join(lines)
 
 

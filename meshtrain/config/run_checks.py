@@ -136,11 +136,19 @@ def eval_problems(cfg: Config) -> list[str]:
     ])
 
 
+def missing_package(module: str, extra: str, what: str) -> str | None:
+    """None when `module` is importable, else the problem: `what` needs it, and the install line the README
+    uses (`pip install -e ".[extra]"` in the checkout)."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f'{what} needs the {module} package: pip install -e ".[{extra}]"'
+
+
 def run_problems(cfg: Config) -> list[str]:
     """What the run records (TensorBoard, a device trace) and the GPU memory it takes."""
     r = cfg.run
-    tensorboard = [(not r.tensorboard or importlib.util.find_spec("tensorboardX") is not None,
-                    "run.tensorboard=true needs the tensorboardX package: pip install 'meshtrain[tensorboard]'")]
+    missing = r.tensorboard and missing_package("tensorboardX", "tensorboard", "run.tensorboard=true")
+    tensorboard = [(not missing, str(missing))]
     memory = [(0 <= r.gpu_memory_fraction <= 1, f"run.gpu_memory_fraction={r.gpu_memory_fraction}: must be in (0, 1], "
                                                 f"or 0 for jax's default (0.75)")]
     return failed(tensorboard) + profile_problems(cfg) + failed(memory)

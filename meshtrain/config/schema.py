@@ -36,13 +36,13 @@ FP8_EXCLUDE_DEFAULT = ("lm_head", "moe.*")
 class MeshConfig:
     """Degrees of the 7 mesh axes, outermost (slowest links) first. One degree may be -1: the rest."""
 
-    pp: int = 1
-    dp: int = 1
-    fsdp: int = -1
-    ep: int = 1
-    cp: int = 1
-    sp: int = 1
-    tp: int = 1
+    pp: int = 1  # pipeline stages (layers split into consecutive stages)
+    dp: int = 1  # data parallel: batch split, parameters replicated
+    fsdp: int = -1  # fully sharded data parallel: batch split, train.zero_stage says what else (-1: the rest)
+    ep: int = 1  # expert parallel: MoE experts split
+    cp: int = 1  # context parallel: sequence split, attention by ring (parallel.cp_impl)
+    sp: int = 1  # sequence parallel (Ulysses): sequence split, heads all-to-all around attention
+    tp: int = 1  # tensor parallel: heads, ffn hidden and vocab split (Megatron)
 
 
 @dataclass(frozen=True)
@@ -65,36 +65,36 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = "tiny"  # fills the shape fields below; explicit fields override it
-    n_layers: int = 2
-    d_model: int = 128
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    n_layers: int = 2  # decoder blocks
+    d_model: int = 128  # hidden size
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention; n_heads must be a multiple)
     head_dim: int = 0  # 0: d_model // n_heads
-    d_ff: int = 352
-    vocab_size: int = 256
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
+    d_ff: int = 352  # SwiGLU hidden width
+    vocab_size: int = 256  # token ids 0..vocab_size-1 (256: bytes)
+    tie_embeddings: bool = False  # the head reuses the embedding table
+    rope_theta: float = 10000.0  # RoPE base wavelength
     # Llama-3.1 RoPE scaling (rope_type "llama3"): long wavelengths slowed by rope_factor, short kept,
     # the band between smoothed; the wavelength bounds are rope_original_max_len / the two freq factors.
     rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
+    rope_factor: float = 8.0  # llama3 RoPE scaling: how much long wavelengths are slowed
+    rope_low_freq_factor: float = 1.0  # llama3 RoPE: long-wavelength bound = rope_original_max_len / this
+    rope_high_freq_factor: float = 4.0  # llama3 RoPE: short-wavelength bound = rope_original_max_len / this
+    rope_original_max_len: int = 8192  # llama3 RoPE scaling: the context length the model was pretrained at
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal initialization of a fresh model
     attention: Literal["auto", "reference", "cudnn", "pallas"] = "auto"  # auto: cudnn on GPUs (bf16/fp16)
     # Which flash-attention kernels the Pallas path runs (pallas_kernels.flash_attention's backend): auto is
     # Mosaic GPU on Hopper and Triton elsewhere. Mosaic compiles each call site at the first step (~6 s per
     # layer of an unrolled stack); triton compiles faster, and its attention takes 1.06-1.45x as long
     # (docs/PERFORMANCE.md).
     attention_kernel: Literal["auto", "mosaic", "triton"] = "auto"
-    norm: Literal["reference", "pallas"] = "reference"
-    loss: Literal["reference", "fused"] = "reference"
+    norm: Literal["reference", "pallas"] = "reference"  # RMSNorm: jnp, or the fused Pallas kernel
+    loss: Literal["reference", "fused"] = "reference"  # cross-entropy: jnp on full logits, or fused with the head
     # The embedding table's gradient (model/embedding.py): scatter (autodiff, atomics in the compute dtype),
     # sorted_segment_sum (sort the ids, sum runs in fp32) or onehot (one GEMM; small vocabularies only).
     embedding_grad: Literal["scatter", "sorted_segment_sum", "onehot"] = "sorted_segment_sum"
-    scan_layers: bool = True
+    scan_layers: bool = True  # one scanned block (fast compile) or an unrolled stack
 
     @property
     def kv_dim(self) -> int:
@@ -131,24 +131,24 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # optimizer steps to train (a resumed run continues to it)
     schedule_steps: int = 0  # 0: same as steps. Set it so that a run stopped early keeps its schedule.
     global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
     grad_accum: int = 1  # microbatches per step, scanned inside the jitted step
     zero_stage: int = 1  # what fsdp shards: 1 optimizer state, 2 + gradients, 3 + parameters
     remat: str = "none"  # none | full | save_dots | save_dots_attn | save_attn | names:<point>,<point>...
-    seed: int = 0
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
+    seed: int = 0  # initialization and data order; RNG derives from (seed, step)
+    lr: float = 3e-3  # peak learning rate (AdamW; linear warmup, cosine decay)
+    min_lr_ratio: float = 0.1  # the rate at the schedule's end, as a fraction of lr
+    warmup_steps: int = 10  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    b1: float = 0.9  # Adam first-moment decay
+    b2: float = 0.95  # Adam second-moment decay
     # Adam's first moment in bfloat16 halves its memory and traffic (2 bytes a parameter less to keep,
     # read and write); the second moment stays fp32, whose range and small updates bf16 would lose.
     adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
-    log_every: int = 10
+    log_every: int = 10  # steps between printed and logged metrics
     max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) steps
 
     @property
@@ -158,10 +158,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["synthetic", "file"] = "synthetic"
+    source: Literal["synthetic", "file"] = "synthetic"  # synthetic: the built-in learnable corpus; file: data.path
     path: str = ""  # token file (.bin raw or .npy) for source=file
     dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a raw .bin token file
-    seq_len: int = 64
+    seq_len: int = 64  # tokens per sequence
     document_mask: bool = False  # split packed rows after data.eos_id: positions restart, no cross-document attention
     eos_id: int = -1  # end-of-document token id (needed by document_mask)
     eval_fraction: float = 0.0  # source=file: hold out this last fraction of the file's windows for eval
@@ -171,7 +171,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    compute: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    compute: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # activations and matmuls (float16: dynamic loss scaling)
     params: Literal["float32"] = "float32"  # master weights; optimizer state follows them
     # Dynamic loss scaling, used with float16 compute only (bf16 has fp32's exponent range).
     loss_scale_init: float = 32768.0
@@ -187,16 +187,17 @@ class PrecisionConfig:
 class PipelineConfig:
     """How mesh.pp > 1 runs: the schedule (docs/PIPELINE.md) over train.grad_accum microbatches."""
 
-    schedule: Kind = "1f1b"
+    schedule: Kind = "1f1b"  # afab | 1f1b | interleaved | zb_h1 | dualpipe_v
     virtual_stages: int = 1  # model chunks per stage: interleaved any v >= 1, dualpipe_v 2, others 1
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str = ""  # empty: <run.dir>/checkpoints
-    every: int = 0  # steps between saves; 0 disables saving (restore still happens if dir has one)
+    every: int = 0  # steps between saves; 0: none during the run (restore still happens if dir has one)
+    final: bool = True  # also save after the last step and when SIGTERM/Ctrl-C stops the run
     keep: int = 3  # keep the last N committed checkpoints
-    async_save: bool = True
+    async_save: bool = True  # write checkpoints in the background while training goes on
     init_from: str = ""  # hf:DIR starts a fresh run from a Hugging Face Llama directory (its shape too)
 
 
@@ -211,16 +212,16 @@ class DistributedConfig:
     """Multi-host start. Empty values are read from the environment (JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES, JAX_PROCESS_ID) or detected (SLURM); a single process needs none."""
 
-    coordinator: str = ""
-    num_processes: int = 0
-    process_id: int = -1
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # processes in the job (0: from the environment)
+    process_id: int = -1  # this process's index (-1: from the environment)
     local_device_ids: str = ""  # e.g. "0,1,2,3"; empty: all local devices
     cpu_collectives: Literal["gloo", "mpi", "none"] = "gloo"  # how CPU devices talk across processes
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/default"
+    dir: str = "runs/default"  # metrics.jsonl, checkpoints/ (by default) and traces go here
     progress: bool = True  # live progress bar on a terminal
     cpu_devices: int = 8  # simulated devices when only a CPU is found (set before jax starts)
     memory_guard: bool = True  # refuse a config whose memory estimate exceeds the device (host on CPU)

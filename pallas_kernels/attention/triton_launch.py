@@ -68,7 +68,7 @@ def _jax_triton():
         import jax_triton
     except ImportError as e:
         raise ImportError(
-            "flash_attention's Triton backend needs jax-triton on the GPU (pip install 'meshtrain[triton]'); "
+            "flash_attention's Triton backend needs jax-triton on the GPU (pip install -e '.[triton]'); "
             f"importing it failed: {e}") from e
     return jax_triton
 
