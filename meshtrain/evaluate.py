@@ -7,7 +7,6 @@ nothing out. Overrides choose other data (data.eval_path=F), eval.batches, the m
 """
 from __future__ import annotations
 
-import sys
 
 from meshtrain import launch
 

@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from meshtrain import launch
