@@ -52,6 +52,7 @@ def command(args: argparse.Namespace) -> int:
 def train_from(cfg) -> int:
     import jax  # noqa: E402  (after the device-count flag)
 
+    from meshtrain.checkpoint import CheckpointError
     from meshtrain.trainer import NonFiniteError, train
 
     started = launch.start(cfg, memory_guard=cfg.run.memory_guard)
@@ -62,6 +63,9 @@ def train_from(cfg) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except CheckpointError as e:  # a failed save, or no saved step that reads back intact
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 4
     if result.stopped_by_signal:  # trainer.train said what happened and whether it can be resumed
         return 0 if result.saved_on_stop else 128 + result.stopped_by_signal
     if jax.process_index() == 0 and result.records:
