@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.checkpoint import Checkpointer
 from meshtrain.lock import RunLock
@@ -224,6 +225,20 @@ class _Loop:
             self.ckpt.wait()
             self.ckpt.close()
 
+    def nonfinite_advice(self) -> str:
+        """What to change, by the likelier cause: weights that are not finite themselves (an import), the
+        fp16 loss scale backing off (each back-off is a skipped step), or the optimization diverging."""
+        cfg = self.setup.cfg
+        finite = jax.jit(lambda p: jax.tree.reduce(lambda a, x: a & jnp.isfinite(x).all(), p, jnp.bool_(True)))
+        if not bool(finite(self.state.params)):
+            source = cfg.checkpoint.init_from or f"the checkpoint in {cfg.checkpoint_dir}"
+            return f"The parameters themselves hold NaN or inf (from {source}): check those weights."
+        if cfg.precision.compute == "float16":
+            scale = float(self.state.loss_scale)
+            return (f"With precision.compute=float16 the loss scale backs off one skipped step at a time (now "
+                    f"{scale:g}): raise train.max_nonfinite, lower precision.loss_scale_init, or use bfloat16.")
+        return "Lower train.lr, raise train.warmup_steps, or check the data."
+
     # ----------------------------------------------------------------------------- the clock
 
     def wait_for(self, step_no: int, outputs) -> None:
@@ -249,8 +264,8 @@ class _Loop:
         if int(m["nonfinite_run"]) >= t.max_nonfinite:
             raise NonFiniteError(
                 f"step {step_no}: {int(m['nonfinite_run'])} consecutive steps had a non-finite loss or gradient "
-                f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. Lower "
-                f"train.lr, raise train.warmup_steps, or check the data.")
+                f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. "
+                f"{self.nonfinite_advice()}")
         first = timer.mark is None  # nothing finished before: this step compiled, which can take minutes
         if first:
             self.log.write(f"meshtrain: step {step_no} done {time.perf_counter() - timer.started:.1f} s into the "
