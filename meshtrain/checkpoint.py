@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
@@ -66,8 +67,8 @@ def digests(tree: Any) -> dict[str, int]:
     """{'params/embed/embedding': digest, ...} of every array in `tree` (a state dict)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat]
-    values = jax.device_get(_digests([leaf for _, leaf in flat]))
-    return {n: int(v) for n, v in zip(names, values)}
+    values = _digests([leaf for _, leaf in flat])  # replicated scalars: any local copy is the value
+    return {n: int(np.asarray(v.addressable_data(0))) for n, v in zip(names, values)}
 
 
 # ------------------------------------------------------------------------------------ the manager
@@ -198,6 +199,9 @@ class Checkpointer:
                     dst, n = self.directory / f"{step}.damaged{n}", n + 1
                 src.rename(dst)
                 print(f"meshtrain: set aside {src.name} as {dst.name} (kept for inspection)", flush=True)
+        if jax.process_count() > 1:  # the others list the steps only once process 0 has renamed them
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("meshtrain checkpoint set aside")
         self.manager.reload()
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:

@@ -73,14 +73,15 @@ class _StopFlag:
 
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
     # One run per run.dir and checkpoint.dir: a second one would delete or rotate the first one's steps.
-    with RunLock([("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint_dir)]):
-        return _train(cfg, mesh)
+    use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
+    dirs = [("run.dir", cfg.run.dir)] + ([("checkpoint.dir", cfg.checkpoint_dir)] if use_ckpt else [])
+    with RunLock(dirs):
+        return _train(cfg, mesh, use_ckpt)
 
 
-def _train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
+def _train(cfg: Config, mesh: jax.sharding.Mesh, use_ckpt: bool) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
-    use_ckpt = cfg.checkpoint.every > 0 or Checkpointer.exists(cfg.checkpoint_dir)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
                         timeout_s=cfg.checkpoint.timeout_s) if use_ckpt else None
     began = time.perf_counter()
@@ -222,8 +223,10 @@ class _Loop:
         self.trace.stop()
         self.log.close()
         if self.ckpt:
-            self.ckpt.wait()
-            self.ckpt.close()
+            try:
+                self.ckpt.wait()
+            finally:
+                self.ckpt.close()
 
     def nonfinite_advice(self) -> str:
         """What to change, by the likelier cause: weights that are not finite themselves (an import), the
