@@ -111,7 +111,11 @@ class Checkpointer:
             raise self._save_failed(step, e) from None
 
     def check(self) -> None:
-        """Raise CheckpointError if an async write has failed since the last call (cheap: no I/O)."""
+        """Raise CheckpointError if an async write has failed since the last call. Never waits: while a
+        write is still in progress there is nothing to report yet (Orbax's check_for_errors would also
+        wait for the step's metadata writes)."""
+        if self.manager.is_saving_in_progress():
+            return
         try:
             self.manager.check_for_errors()
         except Exception as e:  # noqa: BLE001
