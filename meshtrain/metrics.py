@@ -178,6 +178,7 @@ class Throughput:
     def __init__(self) -> None:
         self.started = time.perf_counter()
         self.mark: tuple[float, int] | None = None  # (time, step) of the last baseline
+        self.prev: tuple[float, int] | None = None  # the baseline before it
         # Host work off the clock, as (start, stop) on the same monotonic clock. An interval subtracts only
         # the part of a pause that falls inside it: a pause whose seconds began before the interval did (a
         # trace's start waits for the step that ends the previous interval) would otherwise make it negative.
@@ -194,31 +195,35 @@ class Throughput:
         self.seen.setdefault(step, time.perf_counter())  # the first sight counts
 
     def _end(self, step: int) -> float:
-        """The time at the end of `step`'s interval."""
-        end = self.seen.get(step) or time.perf_counter()
+        """The time at the end of `step`'s interval: when it was first seen done, else no later than when a
+        later step was (a CPU may run the next step inline in its dispatch before this one is read)."""
+        now = time.perf_counter()
+        end = self.seen.get(step) or min([t for s, t in self.seen.items() if s > step], default=now)
         self.seen = {s: v for s, v in self.seen.items() if s > step}
         return end
 
     def _paused(self, begin: float, end: float) -> float:
-        """Seconds paused within (begin, end]; forgets the pauses over by `end`."""
+        """Seconds paused within (begin, end]; forgets the pauses over by `begin`."""
         inside = sum(max(0.0, min(b, end) - max(a, begin)) for a, b in self.pauses)
-        self.pauses = [(a, b) for a, b in self.pauses if b > end]
+        self.pauses = [(a, b) for a, b in self.pauses if b > begin]
         return inside
 
     def seconds_per_step(self, step: int) -> tuple[float, float]:
         """Call when `step` is known to be finished; moves the baseline to it. Returns (seconds per step,
-        seconds paused in the interval); never negative."""
+        seconds paused in the interval), from one monotonic clock."""
         end = self._end(step)
-        begin = self.mark[0] if self.mark else self.started
+        base = self.mark
+        if base is not None and end <= base[0]:
+            # Seen done no later than the last baseline: the two steps share the interval before it.
+            base = self.prev
+        begin = base[0] if base else self.started
         paused = self._paused(begin, end)
-        if self.mark is None or step <= self.mark[1]:
-            dt = end - begin - paused
-        else:
-            dt = (end - begin - paused) / (step - self.mark[1])
-        self.mark = (end, step)
-        return max(dt, 0.0), paused
+        n = step - base[1] if base is not None and step > base[1] else 1
+        dt = (end - begin - paused) / n
+        self.prev, self.mark = base, (end, step)
+        return max(dt, 1e-9), paused  # the floor: a tie of the clock, never a division by zero downstream
 
     def first_step_done(self, step: int) -> None:
         end = self._end(step)
         self._paused(self.mark[0] if self.mark else self.started, end)
-        self.mark = (end, step)
+        self.prev, self.mark = None, (end, step)

@@ -379,3 +379,17 @@ def test_nonfinite_advice_names_the_likely_cause():
     assert "hold NaN or inf" in advice(tiny_config(), [1.0, float("nan")])
     fp16 = advice(tiny_config("precision.compute=float16"), [1.0])
     assert "loss scale backs off" in fp16 and "raise train.max_nonfinite" in fp16 and "train.lr" not in fp16
+
+
+def test_step_read_after_the_next_was_seen_done_gets_a_positive_time():
+    """A CPU runs step 10 inline in its dispatch before step 9 is read: 9's interval may not end after 10's."""
+    from meshtrain.metrics import Throughput
+    timer = Throughput()
+    timer.finished(8)
+    timer.seconds_per_step(8)
+    time.sleep(0.01)
+    timer.finished(10)  # seen inline at dispatch
+    time.sleep(0.01)
+    dt9, _ = timer.seconds_per_step(9)  # read later, never seen itself
+    dt10, _ = timer.seconds_per_step(10)
+    assert 0.005 < dt9 < 0.015 and 0.002 < dt10 < 0.015, (dt9, dt10)
