@@ -1,31 +1,90 @@
 """Checkpoints through Orbax: async save, keep the last N, the resolved config saved beside each.
 
-Orbax writes every checkpoint into a temporary directory and renames it only once all of it is on
-disk, so a process killed mid-save leaves no step that `latest_step()` would return: a restart loads
-the previous committed one (left-over temporary directories are removed at start).
+What a committed step guarantees:
+  atomic     Orbax writes a step into a temporary directory and renames it only once all of it is on
+             disk, so a process killed mid-save leaves no step that `all_steps()` returns (left-over
+             temporary directories are removed at start).
+  verified   each array's digest (`digests`, computed on the devices from the exact bits) goes into the
+             step's Orbax custom metadata at save time; restore recomputes it on what it read, so a
+             flipped bit, a truncated or swapped file is found, not trained on.
+  fallback   `restore_verified` tries the newest step and, on any read or verification error, says so in
+             one line and tries the one before; the steps that failed are renamed `<step>.damaged` (kept,
+             never deleted) once an earlier one verified, so that neither a new save nor rotation trips on them.
+  loud       a failed save (full disk, unwritable directory, a write past checkpoint.timeout_s) raises
+             CheckpointError with one line at once; the steps already committed are left as they were.
 
 The state is stored as a plain nested dict of arrays (flax `to_state_dict`), so the checkpoint format
 does not depend on Python class names. Restore reads each array straight into the shardings of the
-current mesh, which may differ from the mesh that saved it.
+current mesh, which may differ from the mesh that saved it (the digests do not depend on the sharding).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
 from meshtrain.step.state import TrainState
 
+DIGESTS = "meshtrain_digests"  # the custom-metadata key of {array path: digest}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or no saved step could be read back intact; one line."""
+
+
+def reason(e: BaseException) -> str:
+    """An exception as one short line (Orbax and TensorStore errors run over many)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {text[:240]}" if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------- digests
+
+def _digest(x: jax.Array) -> jax.Array:
+    """sum_i word_i * (2i + 1) mod 2^32 over the array's raw bits as unsigned words. The weights are odd,
+    so any single flipped bit changes it; integer addition is exact in any order, so every sharding of
+    the same values gives the same digest."""
+    x = x.reshape(-1)
+    if x.dtype == jnp.bool_:
+        w = x.astype(jnp.uint32)
+    else:
+        size = jnp.dtype(x.dtype).itemsize
+        word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
+        w = jax.lax.bitcast_convert_type(x, word).reshape(-1).astype(jnp.uint32)
+    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+    return jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
+
+
+_digests = jax.jit(lambda leaves: [_digest(x) for x in leaves])
+
+
+def digests(tree: Any) -> dict[str, int]:
+    """{'params/embed/embedding': digest, ...} of every array in `tree` (a state dict)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = ["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in flat]
+    values = _digests([leaf for _, leaf in flat])  # replicated scalars: any local copy is the value
+    return {n: int(np.asarray(v.addressable_data(0))) for n, v in zip(names, values)}
+
+
+# ------------------------------------------------------------------------------------ the manager
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int, async_save: bool):
+    def __init__(self, directory: str, *, keep: int, async_save: bool, timeout_s: int = 600):
         self.directory = Path(directory).absolute()
+        # A write that takes longer than timeout_s fails (and so stops the run) instead of hanging it.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
-                                               enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+                                               enable_async_checkpointing=async_save,
+                                               async_options=ocp.AsyncOptions(timeout_secs=timeout_s))
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.dir={str(self.directory)!r} cannot be used ({reason(e)}); "
+                                  f"fix its permissions or point checkpoint.dir elsewhere") from None
 
     @staticmethod
     def exists(directory: str) -> bool:
@@ -35,19 +94,119 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        return sorted(self.manager.all_steps())
+
+    # -- save
 
     def save(self, step: int, state: TrainState, config: dict[str, Any]) -> None:
-        """Start saving `state` as `step`; returns once the device arrays are copied (async write)."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(serialization.to_state_dict(state)),
-            config=ocp.args.JsonSave(config)), force=True)
+        """Start saving `state` as `step`; returns once the device arrays are copied (async write).
+        A failure, this one's or an earlier async write's, raises CheckpointError."""
+        self.check()
+        tree = serialization.to_state_dict(state)
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config)),
+                custom_metadata={DIGESTS: digests(tree)}, force=True)
+        except Exception as e:  # noqa: BLE001  (any failure of the write is reported the same way)
+            raise self._save_failed(step, e) from None
+
+    def check(self) -> None:
+        """Raise CheckpointError if an async write has failed since the last call. Never waits: while a
+        write is still in progress there is nothing to report yet (Orbax's check_for_errors would also
+        wait for the step's metadata writes)."""
+        if self.manager.is_saving_in_progress():
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(None, e) from None
+
+    def _save_failed(self, step: int | None, e: BaseException) -> CheckpointError:
+        which = f"step {step}" if step is not None else "a checkpoint"
+        kept = self._committed_on_disk()
+        return CheckpointError(f"saving {which} to {self.directory} failed ({reason(e)}); the run stops here, "
+                               f"committed steps {kept or 'none'} are intact: free space or fix the directory, "
+                               f"then run the same command to resume")
+
+    def _committed_on_disk(self) -> list[int]:
+        try:
+            return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+        except OSError:
+            return []
+
+    # -- restore
 
     def restore(self, step: int, abstract_state: TrainState) -> TrainState:
-        """Read `step` into the shapes, dtypes and shardings of `abstract_state` (any mesh)."""
+        """Read `step` into the shapes, dtypes and shardings of `abstract_state` (any mesh), unverified."""
         target = serialization.to_state_dict(abstract_state)
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return serialization.from_state_dict(abstract_state, restored["state"])
+
+    def verify(self, step: int, state: TrainState) -> None:
+        """Compare the digests of what `restore` read with those written at save time; raise on a mismatch.
+        A step written before digests existed has none: it passes unverified."""
+        if not (self.directory / str(step) / "_CHECKPOINT_METADATA").is_file():
+            raise ValueError("its _CHECKPOINT_METADATA file is missing")
+        saved = (self.manager.metadata(step).custom_metadata or {}).get(DIGESTS)
+        if saved is None:
+            return
+        got = digests(serialization.to_state_dict(state))
+        if set(got) != set(saved):
+            raise ValueError(f"its arrays are not those it recorded ({len(got)} read, {len(saved)} recorded)")
+        bad = [k for k in got if got[k] != saved[k]]
+        if bad:
+            raise ValueError(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
+
+    def restore_verified(self, abstract_state: TrainState, check_config: Callable[[dict, int], None]
+                         ) -> tuple[TrainState, int, dict] | None:
+        """The newest step that reads back and verifies, as (state, step, its saved config); None when the
+        directory holds no step. `check_config(saved_config, step)` may raise ConfigError (a checkpoint of
+        another model is the user's mistake, not damage: no fallback). Steps that failed are set aside
+        once one verifies; when none does, CheckpointError names the directory and nothing is renamed."""
+        steps = self.all_steps()[::-1]
+        failed = []
+        for i, step in enumerate(steps):
+            try:
+                saved = self.saved_config(step)
+            except Exception as e:  # noqa: BLE001
+                failed.append(self._say_failed(step, f"its config cannot be read ({reason(e)})", steps[i + 1:]))
+                continue
+            check_config(saved, step)
+            try:
+                state = self.restore(step, abstract_state)
+                self.verify(step, state)
+            except Exception as e:  # noqa: BLE001
+                failed.append(self._say_failed(step, reason(e), steps[i + 1:]))
+                continue
+            self._set_aside(failed)
+            return state, step, saved
+        if steps:
+            raise CheckpointError(f"no checkpoint in {self.directory} reads back intact (steps {sorted(steps)} all "
+                                  f"failed, see above); restore a copy of it, or move it away to start afresh")
+        return None
+
+    def _say_failed(self, step: int, why: str, rest: list[int]) -> int:
+        then = f"falling back to step {rest[0]}" if rest else "no earlier step to fall back to"
+        if jax.process_index() == 0:
+            print(f"meshtrain: checkpoint step {step} in {self.directory} cannot be used: {why}; {then}", flush=True)
+        return step
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                src = self.directory / str(step)
+                dst = self.directory / f"{step}.damaged"
+                n = 1
+                while dst.exists():
+                    dst, n = self.directory / f"{step}.damaged{n}", n + 1
+                src.rename(dst)
+                print(f"meshtrain: set aside {src.name} as {dst.name} (kept for inspection)", flush=True)
+        if jax.process_count() > 1:  # the others list the steps only once process 0 has renamed them
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("meshtrain checkpoint set aside")
+        self.manager.reload()
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters of `step` (no optimizer state), into the shardings of `abstract_params`.
@@ -62,8 +221,12 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def wait(self) -> None:
-        """Block until the last async save is committed (call before exiting)."""
-        self.manager.wait_until_finished()
+        """Block until the last async save is committed (call before exiting); a failed write raises
+        CheckpointError."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(None, e) from None
 
     def close(self) -> None:
         self.manager.close()

@@ -208,7 +208,9 @@ FULL_SCAN_TOKENS = 1 << 30  # files up to this size are scanned whole at start; 
 
 
 def check_token_files(data: DataConfig, vocab_size: int) -> list[str]:
-    """Token ids outside [0, vocab_size) in data.path or data.eval_path, found before any device work.
+    """The token files (data.path, data.eval_path) as the run will read them, checked before any device work:
+    a 1-D integer array (a .npy's shape and dtype; a raw .bin's length a whole number of data.dtype words),
+    every id in [0, vocab_size), and a raw uint16 file that is really uint32 (every high half zero).
 
     A file of up to 2^30 tokens is read whole (about a second per GB); a larger one in 64 blocks of
     1M tokens spread over it (each batch is still checked as it is read)."""
@@ -216,25 +218,57 @@ def check_token_files(data: DataConfig, vocab_size: int) -> list[str]:
     for field, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
         if data.source != "file" or not path or not Path(path).is_file():
             continue  # validate() reports a missing file
-        p = Path(path)
-        try:
-            tokens = np.load(p, mmap_mode="r") if p.suffix == ".npy" else np.memmap(p, dtype=data.dtype, mode="r")
-        except (OSError, ValueError) as e:
-            problems.append(f"{field}={path!r}: cannot read it as {data.dtype} tokens ({e}); check it and data.dtype")
-            continue
-        n, block = len(tokens), 1 << 20
-        if n <= FULL_SCAN_TOKENS:
-            starts = range(0, n, 1 << 26)
-            block = 1 << 26
-        else:
-            starts = np.linspace(0, n - block, 64).astype(np.int64)
-        top = max((int(tokens[s: s + block].max()) for s in starts), default=0)
-        if top >= vocab_size:
-            other = _fitting_dtype(p, data.dtype, vocab_size)
-            problems.append(f"{field}={path!r}: token id {top} >= model.vocab_size={vocab_size}; " + (
-                f"read as {other} its ids fit: set data.dtype={other}" if other else
-                f"set model.vocab_size to at least {top + 1} (the tokenizer's vocabulary) or re-tokenize the data"))
+        problem = _token_file_problem(Path(path), data.dtype, vocab_size)
+        if problem:
+            problems.append(f"{field}={path!r}: {problem}")
     return problems
+
+
+def _token_file_problem(p: Path, dtype: str, vocab_size: int) -> str | None:
+    try:
+        if p.suffix == ".npy":
+            tokens = np.load(p, mmap_mode="r", allow_pickle=False)
+        else:
+            size, word = p.stat().st_size, np.dtype(dtype).itemsize
+            if size % word:
+                return (f"{size} bytes is not a whole number of data.dtype={dtype} tokens ({word} bytes each); "
+                        f"check data.dtype or the file")
+            tokens = np.memmap(p, dtype=dtype, mode="r")
+    except (OSError, ValueError) as e:
+        return f"cannot read it as {dtype} tokens ({e}); check it and data.dtype"
+    if p.suffix == ".npy":
+        if tokens.ndim != 1:
+            return f"a .npy of shape {tokens.shape}: token files hold one flat array of ids; save tokens.reshape(-1)"
+        if not np.issubdtype(tokens.dtype, np.integer):
+            return (f"a .npy of {tokens.dtype} values: token ids must be integers; save them as uint16/uint32 "
+                    f"(e.g. np.save(path, ids.astype(np.uint32)))")
+    n, block = len(tokens), 1 << 20
+    if n == 0:
+        return "holds no tokens"
+    if n <= FULL_SCAN_TOKENS:
+        block = 1 << 26
+        starts = range(0, n, block)
+    else:
+        starts = np.linspace(0, n - block, 64).astype(np.int64)
+    top, low, odd_nonzero, even_nonzero = 0, 0, False, False
+    for s in starts:
+        chunk = np.asarray(tokens[s: s + block])
+        top, low = max(top, int(chunk.max())), min(low, int(chunk.min()))
+        if p.suffix != ".npy" and dtype == "uint16":
+            first = int(s) % 2  # the word at an even file position is the low half of a little-endian uint32
+            odd_nonzero |= bool(chunk[1 - first::2].any())
+            even_nonzero |= bool(chunk[first::2].any())
+    if low < 0:
+        return f"token id {low} is negative; ids must be in [0, model.vocab_size={vocab_size}): re-tokenize the data"
+    if p.suffix != ".npy" and dtype == "uint16" and n >= 64 and even_nonzero and not odd_nonzero:
+        return ("every second uint16 word is zero: this looks like a uint32 token file read as data.dtype=uint16; "
+                "set data.dtype=uint32")
+    if top >= vocab_size:
+        other = _fitting_dtype(p, dtype, vocab_size)
+        return f"token id {top} >= model.vocab_size={vocab_size}; " + (
+            f"read as {other} its ids fit: set data.dtype={other}" if other else
+            f"set model.vocab_size to at least {top + 1} (the tokenizer's vocabulary) or re-tokenize the data")
+    return None
 
 
 def _fitting_dtype(p: Path, dtype: str, vocab_size: int) -> str | None:

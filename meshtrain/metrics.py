@@ -75,6 +75,8 @@ class MetricsLog:
                     n += 1
                 self.path.rename(old)
                 print(f"meshtrain: {self.path} held an earlier run's records; moved to {old.name}", flush=True)
+            elif first_step > 0 and self.path.exists():
+                self._truncate_after(first_step)
         self.tb = None
         if tensorboard and self.is_writer:
             from tensorboardX import SummaryWriter  # validate() made sure it is installed
@@ -82,6 +84,23 @@ class MetricsLog:
         show_bar = progress and self.is_writer and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step",
                         dynamic_ncols=True, leave=True)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run replays the steps after its checkpoint: drop their records from the stopped run (or
+        from a run whose newer checkpoints were damaged), so that every step has one record."""
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) > step:
+                    continue
+            except (ValueError, AttributeError):
+                continue  # a line cut short by a kill
+            kept.append(line)
+        if len(kept) != len(lines):
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)
 
     def advance(self, n: int = 1) -> None:
         self.bar.update(n)
@@ -158,36 +177,53 @@ class Throughput:
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
-        self.mark: tuple[float, int, float] | None = None  # (time, step, paused_total) of the last baseline
-        self.paused_total = 0.0  # host seconds spent on other work (checkpoints, eval) since the start
-        self.seen: dict[int, tuple[float, float]] = {}  # step -> (time, paused_total) when first seen done
+        self.mark: tuple[float, int] | None = None  # (time, step) of the last baseline
+        self.prev: tuple[float, int] | None = None  # the baseline before it
+        # Host work off the clock, as (start, stop) on the same monotonic clock. An interval subtracts only
+        # the part of a pause that falls inside it: a pause whose seconds began before the interval did (a
+        # trace's start waits for the step that ends the previous interval) would otherwise make it negative.
+        self.pauses: list[tuple[float, float]] = []
+        self.seen: dict[int, float] = {}  # step -> time when first seen done
 
     def pause(self, seconds: float) -> None:
-        """Leave `seconds` of host time (a checkpoint save, an evaluation) out of the step time."""
-        self.paused_total += seconds
+        """Leave the `seconds` of host time (a checkpoint save, an evaluation) that just ended out of the step time."""
+        now = time.perf_counter()
+        self.pauses.append((now - seconds, now))
 
     def finished(self, step: int) -> None:
         """The host has just seen `step` done; its interval ends here even if it is read later."""
-        self.seen.setdefault(step, (time.perf_counter(), self.paused_total))  # the first sight counts
+        self.seen.setdefault(step, time.perf_counter())  # the first sight counts
 
-    def _end(self, step: int) -> tuple[float, float]:
-        """(time, paused_total) at the end of `step`'s interval."""
-        end = self.seen.get(step) or (time.perf_counter(), self.paused_total)
+    def _end(self, step: int) -> float:
+        """The time at the end of `step`'s interval: when it was first seen done, else no later than when a
+        later step was (a CPU may run the next step inline in its dispatch before this one is read)."""
+        now = time.perf_counter()
+        end = self.seen.get(step) or min([t for s, t in self.seen.items() if s > step], default=now)
         self.seen = {s: v for s, v in self.seen.items() if s > step}
         return end
 
+    def _paused(self, begin: float, end: float) -> float:
+        """Seconds paused within (begin, end]; forgets the pauses over by `begin`."""
+        inside = sum(max(0.0, min(b, end) - max(a, begin)) for a, b in self.pauses)
+        self.pauses = [(a, b) for a, b in self.pauses if b > begin]
+        return inside
+
     def seconds_per_step(self, step: int) -> tuple[float, float]:
         """Call when `step` is known to be finished; moves the baseline to it. Returns (seconds per step,
-        seconds paused in the interval)."""
-        end, total = self._end(step)
-        paused = total - (self.mark[2] if self.mark else 0.0)
-        if self.mark is None or step <= self.mark[1]:
-            dt = end - self.started - paused
-        else:
-            dt = (end - self.mark[0] - paused) / (step - self.mark[1])
-        self.mark = (end, step, total)
-        return dt, paused
+        seconds paused in the interval), from one monotonic clock."""
+        end = self._end(step)
+        base = self.mark
+        if base is not None and end <= base[0]:
+            # Seen done no later than the last baseline: the two steps share the interval before it.
+            base = self.prev
+        begin = base[0] if base else self.started
+        paused = self._paused(begin, end)
+        n = step - base[1] if base is not None and step > base[1] else 1
+        dt = (end - begin - paused) / n
+        self.prev, self.mark = base, (end, step)
+        return max(dt, 1e-9), paused  # the floor: a tie of the clock, never a division by zero downstream
 
     def first_step_done(self, step: int) -> None:
-        end, total = self._end(step)
-        self.mark = (end, step, total)
+        end = self._end(step)
+        self._paused(self.mark[0] if self.mark else self.started, end)
+        self.prev, self.mark = None, (end, step)

@@ -1,7 +1,10 @@
-"""Resuming a run: restore the latest checkpoint or initialize, and refuse a checkpoint of another model.
+"""Resuming a run: restore the newest checkpoint that verifies (or initialize), and refuse a checkpoint of
+another model or of other data.
 
 A checkpoint's parameter tree is decided by the model's shape fields; everything else (kernels, the mesh,
-the norms' eps ...) may change between the run that saved it and the run that resumes it.
+the norms' eps ...) may change between the run that saved it and the run that resumes it. The batches are
+decided by the data-defining fields (DATA_FIELDS): a resume that changes one of them would continue on
+another stream than the one it started, so it is refused unless checkpoint.allow_data_change is set.
 """
 from __future__ import annotations
 
@@ -23,15 +26,22 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
             params = load_params(directory, setup.cfg.model, abstract_params(setup), setup.state_shardings.params)
             return state_from_params(setup, params), None
         return init_state(setup), None
-    check_compatible(setup.cfg, ckpt.saved_config(latest), ckpt.directory, latest)
     shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
-    return ckpt.restore(latest, abstract_state(setup.state_shardings, shapes)), latest
+    found = ckpt.restore_verified(abstract_state(setup.state_shardings, shapes),
+                                  lambda saved, step: check_compatible(setup.cfg, saved, ckpt.directory, step))
+    if found is None:  # only damaged-and-set-aside or no steps: cannot happen after latest_step, but be plain
+        return init_state(setup), None
+    state, step, _ = found
+    return state, step
 
 
 # Model fields that decide the parameter tree; the rest (kernels, norms' eps, ...) may change on resume.
 SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
                 "tie_embeddings", "scan_layers")
 MOE_SHAPE_FIELDS = ("n_experts", "d_ff_expert", "n_shared", "every")
+# Fields that decide which tokens each step trains on.
+DATA_FIELDS = (("train", "seed"), ("train", "global_batch"), ("data", "source"), ("data", "path"),
+               ("data", "dtype"), ("data", "seq_len"))
 
 
 def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
@@ -54,6 +64,17 @@ def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
     if problems:
         raise ConfigError([f"checkpoint.dir={str(directory)!r} step {step} is another model: {p}; resume with the "
                            f"same model settings or point checkpoint.dir elsewhere" for p in problems])
+    if cfg.checkpoint.allow_data_change:
+        return
+    current = cfg.to_dict()
+    from_file = "file" in (cfg.data.source, saved.get("data", {}).get("source"))  # else path and dtype are unused
+    changed = [(f"{sec}.{k}", current[sec][k], saved[sec][k]) for sec, k in DATA_FIELDS
+               if k in saved.get(sec, {}) and saved[sec][k] != current[sec][k]
+               and (from_file or k not in ("path", "dtype"))]
+    if changed:
+        raise ConfigError([f"{name}={now!r} but checkpoint.dir={str(directory)!r} step {step} was trained with "
+                           f"{was!r}: the resumed run would train on other batches; set {name}={was!r}, or "
+                           f"checkpoint.allow_data_change=true if you mean to change it" for name, now, was in changed])
 
 
 def keep_saved_schedule(setup: Setup, saved: dict) -> Setup:

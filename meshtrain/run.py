@@ -8,6 +8,7 @@ problem, before any device work and without a traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from meshtrain import launch
@@ -49,11 +50,28 @@ def command(args: argparse.Namespace) -> int:
     return train_from(cfg)
 
 
+def quiet_checkpoint_logs() -> None:
+    """Orbax reports a failed write as ERROR logs with tracebacks from its writer threads, and its asyncio
+    tasks as 'Task exception was never retrieved'; the same failure reaches the user as one
+    `checkpoint error:` line (meshtrain.checkpoint.CheckpointError), so those go unprinted. So does the
+    'Event loop is closed' that a writer thread of a failed save may raise while the process exits."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    default = sys.unraisablehook
+
+    def hook(u):
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            default(u)
+    sys.unraisablehook = hook
+
+
 def train_from(cfg) -> int:
     import jax  # noqa: E402  (after the device-count flag)
 
+    from meshtrain.checkpoint import CheckpointError
     from meshtrain.trainer import NonFiniteError, train
 
+    quiet_checkpoint_logs()
     started = launch.start(cfg, memory_guard=cfg.run.memory_guard)
     cfg, mesh = started.cfg, started.mesh
     launch.banner(cfg, mesh, started.exe)
@@ -62,6 +80,9 @@ def train_from(cfg) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except CheckpointError as e:  # a failed save, or no saved step that reads back intact
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 4
     if result.stopped_by_signal:  # trainer.train said what happened and whether it can be resumed
         return 0 if result.saved_on_stop else 128 + result.stopped_by_signal
     if jax.process_index() == 0 and result.records:

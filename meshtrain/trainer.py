@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain import signals
 from meshtrain.checkpoint import Checkpointer
+from meshtrain.lock import RunLock
 from meshtrain.config import Config
 from meshtrain.evaluation import evaluate, make_eval_step
 from meshtrain.metrics import (MetricsLog, Throughput, active_params, count_params, flops_per_token, memory_in_use,
@@ -45,11 +47,18 @@ class RunResult:
 
 
 def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
+    # One run per run.dir and checkpoint.dir: a second one would delete or rotate the first one's steps.
+    use_ckpt = cfg.checkpoint.every > 0 or cfg.checkpoint.final or Checkpointer.exists(cfg.checkpoint_dir)
+    dirs = [("run.dir", cfg.run.dir)] + ([("checkpoint.dir", cfg.checkpoint_dir)] if use_ckpt else [])
+    with RunLock(dirs):
+        return _train(cfg, mesh, use_ckpt)
+
+
+def _train(cfg: Config, mesh: jax.sharding.Mesh, use_ckpt: bool) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
-    use_ckpt = cfg.checkpoint.every > 0 or cfg.checkpoint.final or Checkpointer.exists(cfg.checkpoint_dir)
-    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save) \
-        if use_ckpt else None
+    ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
+                        timeout_s=cfg.checkpoint.timeout_s) if use_ckpt else None
     began = time.perf_counter()
     state, resumed = restore_or_init(setup, ckpt)
     jax.block_until_ready(state)  # the first step would wait for it anyway; here it can be timed
@@ -109,6 +118,7 @@ class _Loop:
         self.trace = StepTrace(cfg.run, start, self.log.write)
         self.feed = batch_feed(make_batches(setup).batch, range(start, t.steps), cfg.data.prefetch)
         self.done = start  # steps dispatched
+        self.nonfinite_run = 0  # consecutive non-finite steps up to the last step read
         self.pending: tuple[int, dict] | None = None  # (step number, device metrics) not yet read by the host
 
     def dispatch(self, step: int) -> int:
@@ -138,8 +148,19 @@ class _Loop:
             self.record(*pending)
 
     def maybe_save(self, done: int) -> None:
+        """Save at checkpoint.every and (checkpoint.final) after the last step, unless step `done` is part of a
+        non-finite streak: its parameters are the last good step's, but saving it would rotate a finite step
+        out and (if the streak stops the run) leave a step that only reproduces the streak as the newest."""
+        if not self.ckpt:
+            return
+        self.ckpt.check()  # a failed async write stops the run at the next step, not at the next save
         every, final = self.setup.cfg.checkpoint.every, self.setup.cfg.checkpoint.final
-        if self.ckpt and ((every and done % every == 0) or ((every or final) and done == self.t.steps)):
+        if (every and done % every == 0) or ((every or final) and done == self.t.steps):
+            self.read_previous()  # the save waits for this step anyway; its metrics say whether it was finite
+            if self.nonfinite_run:
+                self.log.write(f"meshtrain: step {done} not saved: {self.nonfinite_run} non-finite step(s) in a row; "
+                               f"the newest checkpoint stays the last finite one")
+                return
             self.paused(self.ckpt.save, done, self.state, self.setup.cfg.to_dict())
 
     def maybe_evaluate(self, done: int) -> None:
@@ -158,11 +179,14 @@ class _Loop:
         if not signum:
             return
         result.stopped_by_signal = signum
-        if self.ckpt and result.final_step not in self.ckpt.all_steps():
+        if self.ckpt and result.final_step not in self.ckpt.all_steps() and not self.nonfinite_run:
             self.ckpt.save(result.final_step, self.state, self.setup.cfg.to_dict())
-        result.saved_on_stop = self.ckpt is not None
+        result.saved_on_stop = self.ckpt is not None and not self.nonfinite_run
         name = signal.Signals(signum).name
-        if self.ckpt:
+        if self.ckpt and self.nonfinite_run:
+            self.log.write(f"stopped by signal after step {result.final_step} ({name}) in a non-finite streak: not "
+                           f"saved; {self.ckpt.directory} keeps the last finite step: run the same command to resume")
+        elif self.ckpt:
             self.log.write(f"stopped by signal after step {result.final_step} ({name}); checkpoint saved in "
                            f"{self.ckpt.directory}: run the same command to resume")
         else:
@@ -175,8 +199,24 @@ class _Loop:
         self.trace.stop()
         self.log.close()
         if self.ckpt:
-            self.ckpt.wait()
-            self.ckpt.close()
+            try:
+                self.ckpt.wait()
+            finally:
+                self.ckpt.close()
+
+    def nonfinite_advice(self) -> str:
+        """What to change, by the likelier cause: weights that are not finite themselves (an import), the
+        fp16 loss scale backing off (each back-off is a skipped step), or the optimization diverging."""
+        cfg = self.setup.cfg
+        finite = jax.jit(lambda p: jax.tree.reduce(lambda a, x: a & jnp.isfinite(x).all(), p, jnp.bool_(True)))
+        if not bool(finite(self.state.params)):
+            source = cfg.checkpoint.init_from or f"the checkpoint in {cfg.checkpoint_dir}"
+            return f"The parameters themselves hold NaN or inf (from {source}): check those weights."
+        if cfg.precision.compute == "float16":
+            scale = float(self.state.loss_scale)
+            return (f"With precision.compute=float16 the loss scale backs off one skipped step at a time (now "
+                    f"{scale:g}): raise train.max_nonfinite, lower precision.loss_scale_init, or use bfloat16.")
+        return "Lower train.lr, raise train.warmup_steps, or check the data."
 
     # ----------------------------------------------------------------------------- the clock
 
@@ -199,11 +239,12 @@ class _Loop:
         """Check, log and keep the metrics of step `step_no`."""
         t, timer = self.t, self.timer
         m = jax.device_get(metrics)
+        self.nonfinite_run = int(m["nonfinite_run"])
         if int(m["nonfinite_run"]) >= t.max_nonfinite:
             raise NonFiniteError(
                 f"step {step_no}: {int(m['nonfinite_run'])} consecutive steps had a non-finite loss or gradient "
-                f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. Lower "
-                f"train.lr, raise train.warmup_steps, or check the data.")
+                f"(train.max_nonfinite={t.max_nonfinite}); parameters were left at the last good step. "
+                f"{self.nonfinite_advice()}")
         first = timer.mark is None  # nothing finished before: this step compiled, which can take minutes
         if first:
             self.log.write(f"meshtrain: step {step_no} done {time.perf_counter() - timer.started:.1f} s into the "

@@ -7,7 +7,9 @@ as several safetensors files with an index. Tolerance 1e-4 on logits of magnitud
 fp32 (meshtrain with full-precision matmuls), so only summation order differs (~1e-6 seen).
 """
 import json
+import os
 import shutil
+from pathlib import Path
 
 import chex
 import numpy as np
@@ -154,3 +156,75 @@ def test_export_gives_back_the_fixture_tensors(name, tmp_path):
     assert (out / "tokenizer.json").is_file()  # carried over from the model the run started from
     bf16 = export(str(tmp_path / "ckpt"), tmp_path / "bf16", dtype="bfloat16")[1]
     assert str(load_file(str(tmp_path / "bf16" / bf16[0]))["model.norm.weight"].dtype) == "bfloat16"
+
+
+def read_all(d: Path) -> None:
+    """What load_params reads, without the devices: the config, the index, every tensor."""
+    from meshtrain.hf.weights import SafetensorsDir, check_tensors
+    cfg = build_config({}, [f"checkpoint.init_from=hf:{d}"])
+    src = SafetensorsDir(d)
+    try:
+        check_tensors(src, cfg.model)
+        for name in sorted(src.names()):
+            src.get(name)
+    finally:
+        src.close()
+
+
+def test_hf_import_input_that_cannot_hurt(tmp_path):
+    """Paths confined to the model directory, regular files only; every malformed input one config error."""
+    from safetensors.numpy import load_file, save_file
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "llama_sharded", base)
+    read_all(base)  # the intact fixture reads
+    index_name = "model.safetensors.index.json"
+    index = json.loads((base / index_name).read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    tensor = next(k for k, v in index["weight_map"].items() if v == first and k.endswith("q_proj.weight"))
+
+    def case(name, change):
+        d = tmp_path / name
+        shutil.copytree(base, d)
+        change(d)
+        with pytest.raises(ConfigError) as e:
+            read_all(d)
+        assert all("\n" not in p for p in e.value.problems)
+        return " ".join(e.value.problems)
+
+    def remap(target):
+        def change(d):
+            idx = json.loads((d / index_name).read_text())
+            idx["weight_map"][tensor] = target(d)
+            (d / index_name).write_text(json.dumps(idx))
+        return change
+
+    (tmp_path / "outside.safetensors").write_bytes((base / first).read_bytes())
+    assert "outside the model directory" in case("dotdot", remap(lambda d: "../outside.safetensors"))
+    assert "outside the model directory" in case("absolute", remap(lambda d: str(tmp_path / "outside.safetensors")))
+    assert "not a regular file" in case("pipe", lambda d: (os.mkfifo(d / "pipe.safetensors"),
+                                                         remap(lambda _: "pipe.safetensors")(d)))
+    assert "is not a safetensors index" in case("bad_index", lambda d: (d / index_name).write_text("{\"weight_"))
+    assert "not an object" in case("config_list", lambda d: (d / "config.json").write_text("[1, 2]"))
+
+    def layers(value):
+        def change(d):
+            hf = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps(dict(hf, num_hidden_layers=value)))
+        return change
+    assert "num_hidden_layers=2.7 in config.json must be a positive whole number" in case("layers", layers(2.7))
+
+    def cut(d):
+        (d / first).write_bytes((d / first).read_bytes()[:-1000])
+    assert "cannot be read" in case("truncated", cut) or "not a readable safetensors" in case("truncated2", cut)
+    assert "not a readable safetensors file" in case("bad_header", lambda d: (d / first).write_bytes(b"\xff" * 64))
+
+    def rewrite(fn):
+        def change(d):
+            tensors = load_file(str(d / first))
+            tensors[tensor] = fn(tensors[tensor])
+            save_file(tensors, str(d / first))
+        return change
+    assert f"tensor {tensor} is int32" in case("int32", rewrite(lambda x: x.astype(np.int32)))
+    assert f"tensor {tensor} is bool" in case("bool", rewrite(lambda x: x > 0))
+    nan = rewrite(lambda x: np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan, x).astype(x.dtype))
+    assert f"tensor {tensor} holds NaN" in case("nan", nan)

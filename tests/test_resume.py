@@ -137,3 +137,30 @@ def test_resuming_another_model_shape_is_a_config_error(stopped_at_3, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "model.d_model=32 but the checkpoint has 64" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_damaged_newest_step_resumes_from_the_one_before(uninterrupted, stopped_at_3, tmp_path):
+    """A newer step whose data file was cut short: resume says so, falls back to step 3, sets the damaged
+    step aside and goes on bitwise equal to an uninterrupted run."""
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(stopped_at_3 / "checkpoints", ckpt)
+    shutil.copytree(ckpt / "3", ckpt / "5")
+    data = max((p for p in (ckpt / "5" / "state").rglob("*") if p.is_file() and "/d/" in str(p)),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:100])
+    proc = run_cli(*MESH_A, *SIX, "checkpoint.every=3", f"run.dir={tmp_path}")
+    assert f"checkpoint step 5 in {ckpt} cannot be used" in proc.stdout and "falling back to step 3" in proc.stdout
+    assert "resumed from step 3" in proc.stdout and "Traceback" not in proc.stderr
+    losses = logged_losses(tmp_path)
+    assert [losses[s] for s in (4, 5, 6)] == [uninterrupted[s] for s in (4, 5, 6)]
+    assert committed_steps(ckpt) == [3, 6] and (ckpt / "5.damaged").is_dir()
+
+
+def test_resuming_with_another_seed_is_refused_unless_allowed(stopped_at_3, tmp_path):
+    shutil.copytree(stopped_at_3 / "checkpoints", tmp_path / "checkpoints")
+    proc = run_cli(*MESH_A, *SIX, "train.seed=1", f"run.dir={tmp_path}", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1 and lines[0].startswith("config error: train.seed=1 but checkpoint.dir=")
+    assert "checkpoint.allow_data_change=true" in lines[0] and "Traceback" not in proc.stderr

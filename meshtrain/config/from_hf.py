@@ -32,9 +32,12 @@ def read_config_json(directory: Path, field: str = "checkpoint.init_from") -> di
         raise ConfigError(f"{field}=hf:{directory}: no config.json there; point it at a Hugging Face model "
                           f"directory (config.json and *.safetensors)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        values = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{field}=hf:{directory}: config.json is not valid JSON ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{field}=hf:{directory}: config.json holds a {type(values).__name__}, not an object")
+    return values
 
 
 def model_values(hf: dict[str, Any], where: str) -> dict[str, Any]:
@@ -51,6 +54,10 @@ def model_values(hf: dict[str, Any], where: str) -> dict[str, Any]:
                            "vocab_size") if k not in hf]
     if missing:
         problems.append(f"{where}: config.json lacks {', '.join(missing)}")
+    counts = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+              "num_key_value_heads", "head_dim")
+    problems += [f"{where}: {k}={hf[k]!r} in config.json must be a positive whole number" for k in counts
+                 if hf.get(k) is not None and not (isinstance(hf[k], int) and not isinstance(hf[k], bool) and hf[k] > 0)]
     if problems:
         raise ConfigError(problems)
     d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])

@@ -212,11 +212,18 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
                     if k.startswith("model.") and k in valid and k[6:] in per_section["model"]}
         problems.extend(apply_hf_values(per_section["model"], explicit, hf_dir(per_section["checkpoint"]["init_from"])))
     # Read before jax starts (run.py simulates the CPU devices), so it cannot wait for validate().
-    if per_section["run"].get("cpu_devices", RunConfig.cpu_devices) < 1:
-        problems.append(f"run.cpu_devices={per_section['run']['cpu_devices']}: must be >= 1")
+    cpu_devices = per_section["run"].get("cpu_devices", RunConfig.cpu_devices)
+    if cpu_devices < 1:
+        problems.append(f"run.cpu_devices={cpu_devices}: must be >= 1")
+    elif cpu_devices > MAX_CPU_DEVICES:  # XLA would spend minutes to hours creating 100000 of them
+        problems.append(f"run.cpu_devices={cpu_devices}: must be <= {MAX_CPU_DEVICES} (simulated CPU devices; "
+                        f"a larger mesh is for real accelerators)")
     if problems:
         raise ConfigError(problems)
     return Config(**{s: sections[s](**per_section[s]) for s in sections})
+
+
+MAX_CPU_DEVICES = 512
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

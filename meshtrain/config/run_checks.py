@@ -6,7 +6,9 @@ per problem, each naming the field, the value and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import math
 import importlib.util
 from pathlib import Path
 from typing import Iterable
@@ -14,6 +16,29 @@ from typing import Iterable
 from meshtrain.config.schema import (
     CHECKPOINT_POINTS, MATMUL_SITES, REMAT_FIXED, Config, fp8_exclude_patterns, profile_range,
 )
+
+
+def value_problems(cfg: Config) -> list[str]:
+    """Every float setting finite, and the optimizer's and the model's numbers in their ranges: a NaN or an
+    infinity here would only show as a non-finite loss some steps in."""
+    problems = []
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        for f in dataclasses.fields(part):
+            v = getattr(part, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                problems.append(f"{section.name}.{f.name}={v}: must be a finite number")
+    if problems:  # the range checks below would repeat them
+        return problems
+    t, m = cfg.train, cfg.model
+    return failed([
+        (0 <= t.b1 < 1, f"train.b1={t.b1}: must be in [0, 1) (Adam's first-moment decay, e.g. 0.9)"),
+        (0 <= t.b2 < 1, f"train.b2={t.b2}: must be in [0, 1) (Adam's second-moment decay, e.g. 0.95)"),
+        (t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0"),
+        (m.init_std > 0, f"model.init_std={m.init_std}: must be > 0 (e.g. 0.02)"),
+        (m.norm_eps > 0, f"model.norm_eps={m.norm_eps}: must be > 0 (e.g. 1e-6)"),
+        (m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be > 0 (e.g. 10000)"),
+    ])
 
 
 def failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
@@ -91,6 +116,7 @@ def checkpoint_problems(cfg: Config) -> list[str]:
     return failed([
         (c.every >= 0, f"checkpoint.every={c.every}: must be >= 0 (0 disables saving)"),
         (c.keep >= 1, f"checkpoint.keep={c.keep}: must be >= 1"),
+        (c.timeout_s >= 1, f"checkpoint.timeout_s={c.timeout_s}: must be >= 1 (seconds a checkpoint write may take)"),
         (not c.init_from or c.init_from.startswith("hf:"),
          f"checkpoint.init_from={c.init_from!r}: must be hf:DIR (a Hugging Face Llama directory); to continue a "
          f"meshtrain run, set checkpoint.dir instead"),

@@ -199,6 +199,8 @@ class CheckpointConfig:
     keep: int = 3  # keep the last N committed checkpoints
     async_save: bool = True  # write checkpoints in the background while training goes on
     init_from: str = ""  # hf:DIR starts a fresh run from a Hugging Face Llama directory (its shape too)
+    timeout_s: int = 600  # a checkpoint write that takes longer fails (and stops the run) instead of hanging
+    allow_data_change: bool = False  # resume even though train.seed/global_batch or data.source/path/dtype/seq_len changed
 
 
 @dataclass(frozen=True)

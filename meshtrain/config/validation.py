@@ -11,6 +11,7 @@ import math
 from meshtrain.config.pipeline import validate_args
 from meshtrain.config.run_checks import (
     checkpoint_problems, data_problems, eval_problems, failed, precision_problems, run_problems, train_problems,
+    value_problems,
 )
 from meshtrain.config.schema import MESH_AXES, Config, MeshConfig
 
@@ -66,6 +67,7 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     problems += moe_problems(cfg, mesh, tp)
     problems += parallel_problems(cfg, mesh)
     problems += pipeline_problems(cfg, mesh["pp"]) if mesh and mesh["pp"] > 1 else []
+    problems += value_problems(cfg)
     problems += train_problems(cfg)
     problems += precision_problems(cfg)
     problems += checkpoint_problems(cfg)

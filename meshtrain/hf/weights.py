@@ -80,20 +80,44 @@ class SafetensorsDir:
         self.directory = Path(directory)
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
+        self.at = f"checkpoint.init_from=hf:{self.directory}"
         index = self.directory / INDEX
         if index.is_file():
-            self.where = dict(json.loads(index.read_text())["weight_map"])
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                self.where = {str(k): str(v) for k, v in dict(weight_map).items()}
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{self.at}: {INDEX} is not a safetensors index with a weight_map "
+                                  f"({type(e).__name__}: {str(e)[:120]}); fix or remove it") from None
+            for filename in sorted(set(self.where.values())):
+                self._confined(filename)
         else:
             files = sorted(self.directory.glob("*.safetensors"))
             if not files:
-                raise ConfigError(f"checkpoint.init_from=hf:{self.directory}: no *.safetensors files there (only "
+                raise ConfigError(f"{self.at}: no *.safetensors files there (only "
                                   f"safetensors weights are read; convert .bin/.pth files with transformers first)")
             self.where = {name: f.name for f in files for name in self._open(f.name).keys()}
 
+    def _confined(self, filename: str) -> Path:
+        """`filename` as a regular file inside the model directory (the index is input: no `../`, no
+        absolute paths, no links out, no pipes or devices that would hang or leak a read)."""
+        root = self.directory.resolve()
+        path = (self.directory / filename).resolve()
+        if Path(filename).is_absolute() or root not in path.parents:
+            raise ConfigError(f"{self.at}: {INDEX} names {filename!r}, outside the model directory; "
+                              f"weight files must lie in it")
+        if not path.is_file():  # follows links (confined above); False for pipes, devices, directories
+            raise ConfigError(f"{self.at}: weight file {filename!r} is missing or not a regular file")
+        return path
+
     def _open(self, filename: str):
         if filename not in self._handles:
-            self._handles[filename] = self._stack.enter_context(
-                safe_open(str(self.directory / filename), framework="numpy"))
+            path = self._confined(filename)
+            try:
+                self._handles[filename] = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+            except Exception as e:  # noqa: BLE001  (safetensors raises its own error types for a bad header)
+                raise ConfigError(f"{self.at}: {filename} is not a readable safetensors file "
+                                  f"({type(e).__name__}: {str(e)[:160]}); download it again") from None
         return self._handles[filename]
 
     def names(self) -> set[str]:
@@ -103,7 +127,21 @@ class SafetensorsDir:
         return tuple(self._open(self.where[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        return self._open(self.where[name]).get_tensor(name)
+        """Tensor `name`, which must be floating point and finite."""
+        filename = self.where[name]
+        try:
+            x = self._open(filename).get_tensor(name)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a truncated file fails here, not at open)
+            raise ConfigError(f"{self.at}: tensor {name} cannot be read from {filename} "
+                              f"({type(e).__name__}: {str(e)[:160]}); download it again") from None
+        if x.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16):
+            raise ConfigError(f"{self.at}: tensor {name} is {x.dtype}; Llama weights are float32, float16 or "
+                              f"bfloat16 (a quantized or foreign checkpoint?)")
+        if not np.isfinite(np.asarray(x, np.float32)).all():
+            raise ConfigError(f"{self.at}: tensor {name} holds NaN or infinite values; the model cannot start from it")
+        return x
 
     def close(self) -> None:
         self._stack.close()
