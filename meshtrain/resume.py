@@ -9,11 +9,12 @@ another stream than the one it started, so it is refused unless checkpoint.allow
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 
 import jax
 
 from meshtrain.checkpoint import Checkpointer, abstract_state
-from meshtrain.config import Config, ConfigError, MoEConfig, padded_vocab
+from meshtrain.config import MATMUL_SITES, Config, ConfigError, MoEConfig, padded_vocab
 from meshtrain.hf.config import hf_dir
 from meshtrain.step.state import Setup, TrainState, abstract_params, init_state, state_from_params
 
@@ -55,9 +56,10 @@ def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
     if not problems and saved_vocab != padded_vocab(cfg.model, cfg.mesh.tp):
         problems.append(f"mesh.tp={cfg.mesh.tp} pads model.vocab_size={cfg.model.vocab_size} differently from the "
                         f"checkpoint's mesh.tp={saved['mesh']['tp']} ({saved_vocab} rows); use a tp that pads alike")
-    # fp8_delayed keeps amax histories in the state: their presence and length are part of its shape.
-    fp8_state = lambda pc: (pc.get("matmul") == "fp8_delayed") and (pc["fp8_amax_history"], pc["fp8_exclude"])  # noqa: E731
-    if fp8_state(saved["precision"]) != fp8_state(dataclasses.asdict(cfg.precision)):
+    # fp8_delayed keeps amax histories in the state: which sites keep one, and their length, are part of its
+    # shape. Compared by the sites the patterns leave in fp8, not by the patterns' spelling (a checkpoint saved
+    # under an older default names patterns that matched no site).
+    if _fp8_state(saved["precision"], cfg) != _fp8_state(dataclasses.asdict(cfg.precision), cfg):
         problems.append(f"precision.matmul={cfg.precision.matmul!r} (fp8_amax_history={cfg.precision.fp8_amax_history}, "
                         f"fp8_exclude={cfg.precision.fp8_exclude!r}) keeps other fp8 state than the checkpoint's "
                         f"precision.matmul={saved['precision'].get('matmul', 'bf16')!r}")
@@ -91,3 +93,14 @@ def keep_saved_schedule(setup: Setup, saved: dict) -> Setup:
               flush=True)
     cfg = dataclasses.replace(setup.cfg, train=dataclasses.replace(t, schedule_steps=saved_len))
     return dataclasses.replace(setup, cfg=cfg)
+
+
+def _fp8_state(precision: dict, cfg: Config) -> tuple | bool:
+    """(history length, the model's matmul sites that keep amax histories) of a precision section, or False
+    when it keeps none."""
+    if precision.get("matmul") != "fp8_delayed":
+        return False
+    patterns = [p.strip() for p in precision["fp8_exclude"].split(",") if p.strip()]
+    sites = [site for site in MATMUL_SITES if cfg.moe.enabled or not site.startswith("moe.")]
+    kept = frozenset(site for site in sites if not any(fnmatch.fnmatchcase(site, p) for p in patterns))
+    return precision["fp8_amax_history"], kept

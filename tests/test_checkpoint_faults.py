@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from helpers import CLI_TINY, cli_env, logged_losses, make_setup, run_cli, tiny_config
+from helpers import CLI_TINY, cli_env, make_setup, tiny_config
 from meshtrain.checkpoint import Checkpointer, CheckpointError, digests
 from meshtrain.config import ConfigError, build_config, validate
 from meshtrain.data import check_token_files

@@ -164,3 +164,20 @@ def test_resuming_with_another_seed_is_refused_unless_allowed(stopped_at_3, tmp_
     lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
     assert len(lines) == 1 and lines[0].startswith("config error: train.seed=1 but checkpoint.dir=")
     assert "checkpoint.allow_data_change=true" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_fp8_state_is_compared_by_the_sites_it_keeps_not_the_patterns_spelling(tmp_path):
+    """A checkpoint saved under the older fp8_exclude default ("embedding,lm_head,*router": two patterns that
+    matched no site) keeps the same amax histories as today's default, so it resumes; one that keeps another
+    site's does not."""
+    from helpers import tiny_config
+    from meshtrain.config import ConfigError
+    from meshtrain.resume import check_compatible
+
+    cfg = tiny_config("precision.matmul=fp8_delayed")
+    saved = cfg.to_dict()
+    saved["precision"]["fp8_exclude"] = "embedding,lm_head,*router"
+    check_compatible(cfg, saved, tmp_path, 3)  # the same sites keep histories: no error
+    saved["precision"]["fp8_exclude"] = "lm_head,attn.wo"
+    with pytest.raises(ConfigError, match="keeps other fp8 state"):
+        check_compatible(cfg, saved, tmp_path, 3)
