@@ -275,7 +275,7 @@ def test_guard_names_consumers_and_cheapest_fix():
 
 def test_guard_first_suggests_a_larger_allocator_share_when_the_gpu_has_room():
     cfg = build_config({}, SHAPE + ["mesh.dp=2", "mesh.fsdp=4", "train.zero_stage=1"])
-    est = estimate(cfg, Layout.of(cfg), "flash").total  # what the guard estimates on a GPU
+    est = guard.run_estimate_on(cfg, "gpu")[1].total  # what the guard estimates on a GPU (its Execution decides)
     with pytest.raises(ConfigError) as e:  # 0.75 of the GPU is 0.9x the estimate: 0.95 of it is 1.14x
         guard.check(cfg, 8, "gpu", device_bytes=est * 0.9, memory_fraction=0.75)
     msg = e.value.problems[0]
