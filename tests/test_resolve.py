@@ -63,7 +63,10 @@ def test_the_decisions_on_a_gpu():
     assert on_gpu(cp=2).attention == "pallas"
     assert on_gpu(pp=2).attention == "cudnn"  # inside a stage too (called per shard there)
     assert on_gpu("precision.compute=float32").attention == "reference"
-    assert on_gpu("model.attention=pallas", "model.attention_kernel=triton").attention_kernel == "triton"
+    try:
+        assert on_gpu("model.attention=pallas", "model.attention_kernel=triton").attention_kernel == "triton"
+    except ConfigError as e:  # a GPU run of the Triton kernels needs jax_triton, which this machine may lack
+        assert 'pip install -e ".[triton]"' in e.problems[0] and "jax_triton" in e.problems[0]
     moe = on_gpu("model.preset=tiny_moe", ep=2)
     assert (moe.moe_exchange, moe.moe_gemm, moe.moe_fp32) == ("ragged", "pallas", False)
     assert on_gpu("parallel.tp_overlap=collective_matmul", tp=2).tp_ring
