@@ -44,10 +44,14 @@ trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
 
 status=0
 for ((left = N; left > 0; left--)); do
-    wait -n
+    wait -n -p done_pid
     rc=$?
     if ((rc != 0)); then
-        echo "launch_local.sh: a process exited with $rc; stopping the others (logs: $LOG_DIR)" >&2
+        for ((i = 0; i < N; i++)); do [[ "${pids[i]}" == "$done_pid" ]] && break; done
+        echo "launch_local.sh: process $i exited with $rc; stopping the others (logs: $LOG_DIR)" >&2
+        # Process 0 prints to this terminal; another one's reason is in its log, which the reader
+        # should not have to open: the others are stopped before they could print the same reason.
+        if ((i > 0)); then tail -n 20 "$LOG_DIR/process_$i.log" | sed "s/^/[process $i] /" >&2; fi
         kill "${pids[@]}" 2>/dev/null
         status=$rc
         break
