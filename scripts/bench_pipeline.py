@@ -110,6 +110,7 @@ def time_single_device(setup, a):
     import jax.numpy as jnp
 
     from meshtrain.step.pipeline.ops import chunk_ops
+    from meshtrain.step.pipeline.ticks import F, LAST
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches
 
@@ -129,9 +130,14 @@ def time_single_device(setup, a):
     def op_ms(k: int, split: bool, key: tuple[int, int]) -> float:
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
-            fn = chunk_ops(setup.model, k, split)[key]
             lp = jax.tree.map(lambda arr: arr[:k], params["layers"])
-            cache[(k, split, key)] = median_ms(jax.jit(fn), lp, shared, x, dy, mb, scale, steps=a.steps)
+            ops, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
+            kind, pos = key
+            kept = []  # what a B or W spends: the stash its chunk's F fills
+            if kind != F and pos != LAST:
+                kept = jax.jit(ops[F, pos])(lp, shared, x, dy, mb, scale, []).kept
+            cache[(k, split, key)] = median_ms(jax.jit(ops[key]), lp, shared, x, dy, mb, scale, kept,
+                                               steps=a.steps)
         return cache[(k, split, key)]
 
     return plain_ms, op_ms

@@ -2,7 +2,8 @@
 
 A symbolic replay of the tables moves labels instead of tensors: each lane's op must find in its
 pool slots exactly the messages it reads (x of its chunk from the stage before, dy from the stage
-after), delivered at an earlier tick and not overwritten since; every op of the schedule runs once;
+after), delivered at an earlier tick and not overwritten since, and a B or W the pullback its F kept
+in the stash, not overwritten since by another F; every op of the schedule runs once;
 no link carries two messages. Then the program's time in cost units against the schedule's
 free-running makespan: the point of the lanes.
 """
@@ -27,6 +28,7 @@ def replay(kind: str, p: int, m: int, v: int) -> None:
     t = tick_tables(s)
     n_virtual = p * v
     pools = [[None] * (t.n_slots + 1) for _ in range(p)]
+    stashes = [[None] * t.n_stash_slots for _ in range(p)]
     ran = set()
     for tick in range(t.n_ticks):
         outs = [[None] * t.n_lanes for _ in range(p)]
@@ -40,8 +42,13 @@ def replay(kind: str, p: int, m: int, v: int) -> None:
                 pos = int(t.position[tick, stage, lane])
                 assert pos == (FIRST if j == 0 else LAST if j == n_virtual - 1 else MID)
                 where = f"{name} mb{mb} j{j} at tick {tick}, stage {stage}, lane {lane}"
-                if j > 0 and (name == "F" or name in ("B", "W")):
+                last = j == n_virtual - 1
+                if j > 0 and (name == "F" or name == "B" and last):  # the last chunk's B runs it from x
                     assert pools[stage][t.x_slot[tick, stage, lane]] == ("x", mb, j), where
+                if name in ("B", "W") and not last:
+                    assert stashes[stage][t.stash_slot[tick, stage, lane]] == (mb, j), where
+                if name == "F" and not last:
+                    stashes[stage][t.stash_slot[tick, stage, lane]] = (mb, j)
                 if name in ("B", "W") and j < n_virtual - 1:
                     assert pools[stage][t.dy_slot[tick, stage, lane]] == ("dy", mb, j), where
                 if name in ("B", "W"):  # the forward it differentiates ran (earlier, or earlier this tick)

@@ -86,6 +86,11 @@ def permute_blocks(tree: Any, order: np.ndarray) -> Any:
 # --------------------------------------------------------------------------- the executor
 
 
+def index(tree, i):
+    """Entry i of every leaf's leading axis."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
 def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * loss sum, loss sum,
     token count, model_state, {"loss": loss sum}), summed over the A microbatches, computed by the
@@ -105,11 +110,14 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # Inside, pp is a manual axis: the model's sharding annotations name the other axes of this
         # (abstract) mesh, or their transposes in the backward would not match the context.
         rules = dataclasses.replace(model.rules, mesh=jax.sharding.get_abstract_mesh())
-        ops = chunk_ops(model.clone(rules=rules), k, schedule.split_backward)
         stage = lax.axis_index("pp")
         layers_vk = jax.tree.map(lambda a: a.reshape(v, k, *a.shape[1:]), layers)
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
+        ops, stash_of = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
+                                  (index(layers_vk, 0), pool[0], index(batch, 0)))
+        # One [n_stash_slots, ...] buffer per kept leaf of a chunk's pullback.
+        stash = [jnp.zeros((max(ticks.n_stash_slots, 1), *a.shape), a.dtype) for a in stash_of.kept]
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. [v, k] replaces the pp-sharded layer axis.
@@ -119,20 +127,21 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         g_shared_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, sh.spec),
                                    {name: setup.grad_shardings[name] for name in shared})
 
-        def index(tree, i):
-            return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
-
         def op(kind, pos):
             """The switch branch running ops[kind, pos]: (carry, me) -> (carry, message)."""
 
             def branch(carry, me):
-                pool, g_layers, g_shared, loss, count = carry
+                pool, stash, g_layers, g_shared, loss, count = carry
                 c = me["chunk"]
                 out = ops[kind, pos](index(layers_vk, c), shared, index(pool, me["x_slot"]),
-                                     index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale)
+                                     index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale,
+                                     index(stash, me["stash_slot"]))
+                if out.kept is not None:
+                    stash = [lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
+                             for buf, a in zip(stash, out.kept)]
                 if out.d_layers is not None:  # accumulate into this chunk's rows
                     g_layers = jax.tree.map(lambda acc, d: lax.dynamic_update_index_in_dim(
-                        acc, index(acc, c) + d, c, 0), g_layers, out.d_layers)
+                        acc, index(acc, c) + d.astype(acc.dtype), c, 0), g_layers, out.d_layers)
                     g_layers = lax.with_sharding_constraint(g_layers, g_layer_sh)
                 if out.d_shared is not None:
                     g_shared = lax.with_sharding_constraint(jax.tree.map(jnp.add, g_shared, out.d_shared),
@@ -140,7 +149,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                 if out.loss is not None:
                     loss, count = loss + out.loss, count + out.count
                 message = out.message if out.message is not None else jnp.zeros(pool.shape[1:], pool.dtype)
-                return (pool, g_layers, g_shared, loss, count), message
+                return (pool, stash, g_layers, g_shared, loss, count), message
 
             return branch
 
@@ -172,12 +181,12 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             return (pool,) + carry[1:], None
 
         zero = jnp.zeros((), jnp.float32)
-        carry = (pool, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
+        carry = (pool, stash, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), zero, zero)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
                            "branch": jnp.asarray(branch_of)} for lane, (branch_of, _) in enumerate(lane_branches))
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
-        (_, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, (lane_rows, link_rows))
+        (_, _, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, (lane_rows, link_rows))
         g_layers = jax.tree.map(lambda a: a.reshape(v * k, *a.shape[2:]), g_layers)
         return g_layers, lax.psum(g_shared, "pp"), lax.psum(loss, "pp"), lax.psum(count, "pp")
 

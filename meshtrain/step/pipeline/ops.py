@@ -5,23 +5,34 @@ its manual region, the benchmark (scripts/bench_pipeline.py) times them alone. A
 position decides what else it runs: the first chunk embeds the tokens, the last computes final
 norm, head and loss; a middle one reads the previous chunk's output.
 
-    F  x ─ chunk ─> y                      (first: tokens ─ embed ─ chunk; last: ─ head ─> loss)
-    B  x, dy ─ recompute, vjp ─> dx (+ dW when the backward is not split)
-    W  x, dy ─ recompute, vjp ─> dW       (split backward only)
+    F  x ─ chunk ─> y, and the chunk's pullback kept        (first: tokens ─ embed ─ chunk)
+    B  dy, the kept pullback ─> dx (+ dW when the backward is not split)
+    W  dy, the kept pullback ─> dW                           (split backward only)
+    the last chunk: F does nothing; B runs chunk, head, loss and the whole backward from its x
 
-B and W recompute the chunk's forward from its stashed input instead of keeping the chunk's
-activations from F: a stage holds one [b, T, D] input per microbatch in flight, at the price
-of one more chunk forward per B (and per W).
+What F keeps is the chunk's jax.vjp pullback (its residuals: what the model's remat policy,
+train.remat, saves of each layer), in the stage's stash (`Stash`); B spends it, as a step without
+the pipeline spends its residuals, so B costs a backward, not a forward and a backward. The last
+chunk keeps nothing: its forward and backward run back to back (B follows F on that stage at once in
+every schedule), which spares the stash its logits.
+
+The pullback's residuals include the chunk's weights (a matmul's input gradient needs them). Those
+are not kept per microbatch: the weights every bf16 matmul site casts anyway are cast once, before
+the chunk runs (`cast_sites`), so the pullback holds the very arrays the stage reads again at B, and
+the stash stores only the rest.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.struct
 import jax
 
+from meshtrain.config import MATMUL_SITES
 from meshtrain.data import Batch
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
+from meshtrain.precision import Precision
 from meshtrain.step.loss import cross_entropy, objective
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
 
@@ -33,77 +44,123 @@ class OpOut:
     d_layers: Any = None  # gradient of the chunk's layer params
     d_shared: Any = None  # gradient of embedding / final_norm / lm_head (first and last chunks)
     message: jax.Array | None = None  # y (F) or dx (B), for the neighbouring chunk
-    loss: jax.Array | None = None  # loss sum and token count (F of the last chunk)
+    loss: jax.Array | None = None  # loss sum and token count (the last chunk's B)
     count: jax.Array | None = None
+    kept: list | None = None  # F of a chunk before the last: its pullback's leaves for the stash
 
 
-OpFn = Callable[[Any, Any, jax.Array, jax.Array, Batch, jax.Array], OpOut]  # (lp, shared, x, dy, mb, scale)
+# (layer params, shared params, x, dy, microbatch, scale, the stash's leaves for this op) -> OpOut
+OpFn = Callable[[Any, Any, jax.Array, jax.Array, Batch, jax.Array, list], OpOut]
 
 
-def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool) -> dict[tuple[int, int], OpFn]:
-    """(kind, position) -> op, for chunks of `n_layers` layers. `decoder` must be bound to the mesh the
-    ops run on (inside the executor: the abstract mesh with pp manual); its stack builder, head and the
-    step's loss assembly are the ones the whole model uses."""
-    rules = decoder.rules
+def cast_sites(policy: Precision, layers: Any) -> Any:
+    """A chunk's layer params with the weights of bf16 matmul sites (`attn/wq` is site `attn.wq`) in the
+    compute dtype, as the site would cast them; the rest (norm scales, fp8 sites' fp32 masters) as they are."""
+    def one(path, a):
+        site = ".".join(str(k.key) for k in path[-2:] if isinstance(k, jax.tree_util.DictKey))
+        return policy.cast(a) if site in MATMUL_SITES and policy.recipe(site) == "bf16" else a
+
+    return jax.tree_util.tree_map_with_path(one, layers)
+
+
+@dataclass(frozen=True)
+class Stash:
+    """What F keeps of a chunk's pullback: its leaves less those that are the chunk's (cast) weights.
+
+    `treedef` and `weight_of` come from one abstract trace of the chunk (`Stash.of`); every chunk
+    before the last has k layers and so the same pullback structure."""
+
+    treedef: Any
+    weight_of: tuple[int, ...]  # per pullback leaf: the index of the weight leaf it is, or -1 (kept)
+    kept: tuple[jax.ShapeDtypeStruct, ...]  # the leaves kept per microbatch
+
+    @classmethod
+    def of(cls, vjp_chunk: Callable, layers: Any, x_btd: Any, mb: Any) -> "Stash":
+        box = {}
+
+        def trace(layers, x_btd, mb):
+            leaves, box["treedef"] = jax.tree.flatten(vjp_chunk(layers, x_btd, mb)[1])
+            weights = jax.tree.leaves(layers)
+            box["weight_of"] = tuple(next((i for i, w in enumerate(weights) if w is leaf), -1) for leaf in leaves)
+            return [leaf for leaf, w in zip(leaves, box["weight_of"]) if w < 0]
+
+        kept = jax.eval_shape(trace, layers, x_btd, mb)
+        return cls(box["treedef"], box["weight_of"], tuple(kept))
+
+    def keep(self, pullback: Any) -> list:
+        leaves = jax.tree.leaves(pullback)
+        kept = [leaf for leaf, w in zip(leaves, self.weight_of) if w < 0]
+        got = [(k.shape, k.dtype) for k in kept]
+        if got != [(k.shape, k.dtype) for k in self.kept]:
+            raise AssertionError(f"a chunk's pullback differs from the stash's trace: {got} vs {self.kept}")
+        return kept
+
+    def pullback(self, kept: list, layers: Any) -> Callable:
+        weights, kept = jax.tree.leaves(layers), iter(kept)
+        return jax.tree.unflatten(self.treedef, [next(kept) if w < 0 else weights[w] for w in self.weight_of])
+
+
+def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, Any, Batch]
+              ) -> tuple[dict[tuple[int, int], OpFn], Stash]:
+    """(kind, position) -> op for chunks of `n_layers` layers, and the stash those ops fill and spend.
+    `example` is (one chunk's layer params, an input [b, T, D], one microbatch), values or shapes.
+    `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
+    manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
+    rules, policy = decoder.rules, decoder.policy
     stack = decoder.stack(n_layers)
 
     def run(lp, x_btd, mb: Batch):
         return stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules))[0]
 
-    def loss_sum(shared, y_btd, mb: Batch):
-        h_btd, head_dv = decoder.apply({"params": shared}, y_btd, method=Decoder.head)
+    def vjp_chunk(lp, x_btd, mb: Batch):
+        return jax.vjp(lambda lp, x_btd: run(lp, x_btd, mb), lp, x_btd)
+
+    def embed(sh, mb: Batch):
+        return decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed)
+
+    def loss_sum(lp, sh, x_btd, mb: Batch, scale):
+        h_btd, head_dv = decoder.apply({"params": sh}, run(lp, x_btd, mb), method=Decoder.head)
         ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
         # No sown collections: validate refuses MoE under pp until the stages carry their aux losses.
-        return objective(ce, n, {})[0], n
+        loss = objective(ce, n, {})[0]
+        return loss * scale, (loss, n)
 
-    # The chunk as a function of (its layers, the shared params, its input), by position.
-    def first(lp, sh, x, mb, scale):
-        return run(lp, decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed), mb)
+    example_lp, example_x, example_mb = example
+    stash = Stash.of(vjp_chunk, cast_sites(policy, example_lp), example_x, example_mb)
 
-    def mid(lp, sh, x, mb, scale):
-        return run(lp, x, mb)
-
-    def last(lp, sh, x, mb, scale):
-        return loss_sum(sh, run(lp, x, mb), mb)[0] * scale
-
-    fns = {FIRST: first, MID: mid, LAST: last}
-
-    def make(kind: int, pos: int) -> OpFn:
-        fn = fns[pos]
-        if kind == F:
+    def forward(pos: int) -> OpFn:
+        def op(lp, sh, x, dy, mb, scale, kept):
             if pos == LAST:
-                def forward_loss(lp, sh, x, dy, mb, scale):
-                    loss, count = loss_sum(sh, run(lp, x, mb), mb)
-                    return OpOut(loss=loss, count=count)
-                return forward_loss
-            return lambda lp, sh, x, dy, mb, scale: OpOut(message=rules.constrain(fn(lp, sh, x, mb, scale), RESIDUAL))
+                return OpOut()  # its B runs it (module docstring)
+            x_btd = embed(sh, mb) if pos == FIRST else x
+            y_btd, pullback = vjp_chunk(cast_sites(policy, lp), x_btd, mb)
+            return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.keep(pullback))
+        return op
 
-        # Which gradients: weights (the layers; the shared params at the ends), the input (not first).
-        want_w = kind == W or not split_backward
-        want_x = kind == B and pos != FIRST
-        argnums = ((0,) if want_w else ()) + ((1,) if want_w and pos != MID else ()) + ((2,) if want_x else ())
+    def last_backward(lp, sh, x, dy, mb, scale, kept):
+        grad = jax.grad(loss_sum, argnums=(0, 1, 2), has_aux=True)
+        (d_lp, d_sh, dx), (loss, n) = grad(lp, sh, x, mb, scale)
+        return OpOut(d_layers=d_lp, d_shared=d_sh, message=rules.constrain(dx, RESIDUAL), loss=loss, count=n)
 
-        def backward(lp, sh, x, dy, mb, scale):
-            if not argnums:  # split B of the first chunk: nobody waits for its input gradient
+    def backward(kind: int, pos: int) -> OpFn:
+        if pos == LAST:  # split or not, B runs the whole last chunk and its W has nothing left to do
+            return last_backward if kind == B else lambda *args: OpOut()
+        want_w = kind == W or not split_backward  # the weights' gradient
+        want_x = kind == B and pos != FIRST  # the input's, sent on to the chunk before
+
+        def op(lp, sh, x, dy, mb, scale, kept):
+            if not (want_w or want_x):  # split B of the first chunk: nobody waits for its input gradient
                 return OpOut()
-            args = (lp, sh, x)
+            # Unused outputs of the pullback (dW at a split B, dx at a W) are dead code to the compiler.
+            d_lp, dx_btd = stash.pullback(kept, cast_sites(policy, lp))(dy)
+            d_sh = None
+            if want_w and pos == FIRST:
+                d_sh = jax.vjp(lambda sh: embed(sh, mb), sh)[1](dx_btd)[0]
+            return OpOut(d_layers=d_lp if want_w else None, d_shared=d_sh,
+                         message=rules.constrain(dx_btd, RESIDUAL) if want_x else None)
+        return op
 
-            def f(*chosen):  # fn of the arguments whose gradients are wanted; the rest are constants
-                full = list(args)
-                for i, a in zip(argnums, chosen):
-                    full[i] = a
-                return fn(*full, mb, scale)
-
-            chosen = [args[i] for i in argnums]
-            if pos == LAST:  # the scalar loss (scaled inside) starts the backward
-                grads = jax.grad(f, argnums=tuple(range(len(argnums))))(*chosen)
-            else:
-                grads = jax.vjp(f, *chosen)[1](dy)
-            got = dict(zip(argnums, grads))
-            return OpOut(d_layers=got.get(0), d_shared=got.get(1),
-                         message=rules.constrain(got[2], RESIDUAL) if 2 in got else None)
-
-        return backward
-
-    kinds = (F, B, W) if split_backward else (F, B)
-    return {(kind, pos): make(kind, pos) for kind in kinds for pos in (FIRST, MID, LAST)}
+    kinds = (B, W) if split_backward else (B,)
+    ops = {(F, pos): forward(pos) for pos in (FIRST, MID, LAST)}
+    ops |= {(kind, pos): backward(kind, pos) for kind in kinds for pos in (FIRST, MID, LAST)}
+    return ops, stash

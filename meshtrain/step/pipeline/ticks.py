@@ -65,7 +65,9 @@ class TickTables:
     down_lane: np.ndarray
     from_below: np.ndarray
     from_above: np.ndarray
+    stash_slot: np.ndarray  # [T, S, L]: where F keeps a chunk's pullback and B / W find it
     n_slots: int  # live slots; the pool has one more (trash)
+    n_stash_slots: int
     split_backward: bool
 
     @property
@@ -83,7 +85,7 @@ class TickTables:
     def lane_tables(self) -> dict[str, np.ndarray]:
         """The [T, S, L] tables, by name."""
         return {k: getattr(self, k) for k in ("kind", "position", "microbatch", "chunk", "x_slot", "dy_slot",
-                                              "from_self")}
+                                              "from_self", "stash_slot")}
 
     def link_tables(self) -> dict[str, np.ndarray]:
         """The [T, S] tables, by name."""
@@ -196,7 +198,8 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
             sent[("x", mb, j + 1)] = (kind, mb, j)
         if kind == "B" and j > 0:
             sent[("dy", mb, j - 1)] = (kind, mb, j)
-        if (kind == "F" or kind == last_reader) and j > 0:
+        # F reads x; the last chunk's B runs that chunk whole from it (ops.py), the others' use the stash.
+        if (kind == "F" or kind == "B" and j == n_virtual - 1) and j > 0:
             used[("x", mb, j)] = max(used.get(("x", mb, j), -1), pl.tick)
         if kind in ("B", "W") and j < n_virtual - 1:
             used[("dy", mb, j)] = max(used.get(("dy", mb, j), -1), pl.tick)
@@ -220,9 +223,26 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
         n_slots = max(n_slots, len(free_at))
     trash = n_slots
 
+    # The stash: the pullback of (microbatch, virtual stage j) before the last, from its F until its last
+    # reader, both ticks included (F's lane runs before B's within a tick, so a slot B frees at tick t
+    # is free again at t + 1).
+    stash: dict[tuple[int, int], int] = {}
+    n_stash_slots = 0
+    for stage in range(p):
+        mine = sorted((placed[("F", mb, j)].tick, placed[(last_reader, mb, j)].tick, (mb, j))
+                      for (kind, mb, j) in placed if kind == "F" and j < n_virtual - 1
+                      and stage_and_chunk(s.kind, p, j)[0] == stage)
+        free_at = []
+        for start, last, key in mine:
+            idx = next((i for i, f in enumerate(free_at) if f < start), len(free_at))
+            free_at[idx:idx + 1] = [last]
+            stash[key] = idx
+        n_stash_slots = max(n_stash_slots, len(free_at))
+
     lane_shape, link_shape = (n_ticks, p, lanes), (n_ticks, p)
     kind, position, microbatch, chunk = (np.zeros(lane_shape, np.int32) for _ in range(4))
     x_slot, dy_slot, from_self = (np.full(lane_shape, trash, np.int32) for _ in range(3))
+    stash_slot = np.zeros(lane_shape, np.int32)
     up_lane, down_lane = (np.full(link_shape, NO_LANE, np.int32) for _ in range(2))
     from_below, from_above = (np.full(link_shape, trash, np.int32) for _ in range(2))
     for (name, mb, j), pl in placed.items():
@@ -232,6 +252,7 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
         position[at] = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
         x_slot[at] = slot.get(("x", mb, j), trash)
         dy_slot[at] = slot.get(("dy", mb, j), trash)
+        stash_slot[at] = stash.get((mb, j), 0)
     for key, sender_key in sent.items():
         pl = placed[sender_key]
         sender = stage_and_chunk(s.kind, p, sender_key[2])[0]
@@ -243,4 +264,4 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
         else:
             down_lane[pl.tick, sender], from_above[pl.tick, receiver] = pl.lane, slot[key]
     return TickTables(kind, position, microbatch, chunk, x_slot, dy_slot, from_self, up_lane, down_lane, from_below,
-                      from_above, n_slots, s.split_backward)
+                      from_above, stash_slot, n_slots, n_stash_slots, s.split_backward)
