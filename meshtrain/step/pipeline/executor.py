@@ -45,7 +45,6 @@ psum adds one all-reduce of those parameters over pp per step.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any
 
 import jax
@@ -57,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.data import Batch
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import chunk_ops
-from meshtrain.step.pipeline.ticks import F, IDLE, LAST, MID, TickTables, tick_tables
+from meshtrain.step.pipeline.ticks import IDLE, TickTables, tick_tables
 from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
 from meshtrain.step.state import Setup
 
@@ -126,9 +125,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
                                   (index(layers_vk, 0), pool[0], index(batch, 0)))
-        # One [n_stash_slots + 1, ...] buffer per kept leaf of a chunk's pullback; the last slot is a trash slot.
-        trash = ticks.n_stash_slots
-        stash = [jnp.zeros((trash + 1, *a.shape), a.dtype) for a in stash_of.kept]
+        # One [n_stash_slots, ...] buffer per kept leaf of a chunk's pullback.
+        stash = [jnp.zeros((max(ticks.n_stash_slots, 1), *a.shape), a.dtype) for a in stash_of.kept]
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. [v, k] replaces the pp-sharded layer axis.
@@ -137,79 +135,59 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                                   setup.grad_shardings["layers"])
         g_shared_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, sh.spec),
                                    {name: setup.grad_shardings[name] for name in shared})
-        zeros = dict(message=jnp.zeros(pool.shape[1:], pool.dtype), kept=[jnp.zeros(a.shape, a.dtype) for a in stash_of.kept],
-                     d_layers=jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), layers_vk),
-                     d_shared=jax.tree.map(jnp.zeros_like, shared), loss=jnp.zeros((), jnp.float32),
-                     count=jnp.zeros((), jnp.float32))
 
-        # A switch passes its operands through each branch: a big buffer that one branch updates and
-        # another returns unchanged is copied whole by the compiler. So the branches only read the
-        # pool and the stash and return what their op made; the stash, the gradient and the loss
-        # accumulate after the switch, unconditionally (a lane that made nothing adds zeros or writes
-        # the trash slot). Each lane's outputs are those its ops make: F and B in lanes of their own
-        # (1f1b, interleaved) add no zeros of the other's kind.
-        def fields(pairs):
-            made = {"message", "loss", "count"}
-            made |= {"kept"} if any(kd == F and pos != LAST for kd, pos in pairs) else set()
-            made |= {"d_layers"} if any(kd != F for kd, _ in pairs) else set()
-            made |= {"d_shared"} if any(kd != F and pos != MID for kd, pos in pairs) else set()
-            return sorted(made)
+        def op(kind, pos):
+            """The switch branch running ops[kind, pos]: (carry, me) -> (carry, message)."""
 
-        def op(kind, pos, names):
-            """The switch branch running ops[kind, pos]: ((pool, stash), me) -> {name: what it made or zeros}."""
-
-            def branch(read, me):
-                pool, stash = read
-                out = ops[kind, pos](index(layers_vk, me["chunk"]), shared, index(pool, me["x_slot"]),
+            def branch(carry, me):
+                pool, stash, g_layers, g_shared, loss, count = carry
+                c = me["chunk"]
+                out = ops[kind, pos](index(layers_vk, c), shared, index(pool, me["x_slot"]),
                                      index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale,
                                      index(stash, me["stash_slot"]))
-                made = {name: getattr(out, name) for name in names}
-                return {name: zeros[name] if value is None else jax.tree.map(lambda a, z: a.astype(z.dtype), value,
-                                                                              zeros[name])
-                        for name, value in made.items()}
+                if out.kept is not None:
+                    stash = [lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
+                             for buf, a in zip(stash, out.kept)]
+                if out.d_layers is not None:  # accumulate into this chunk's rows
+                    g_layers = jax.tree.map(lambda acc, d: accumulate_chunk(acc, d.astype(acc.dtype), c),
+                                            g_layers, out.d_layers)
+                    g_layers = lax.with_sharding_constraint(g_layers, g_layer_sh)
+                if out.d_shared is not None:
+                    g_shared = lax.with_sharding_constraint(jax.tree.map(jnp.add, g_shared, out.d_shared),
+                                                            g_shared_sh)
+                if out.loss is not None:
+                    loss, count = loss + out.loss, count + out.count
+                message = out.message if out.message is not None else jnp.zeros(pool.shape[1:], pool.dtype)
+                return (pool, stash, g_layers, g_shared, loss, count), message
 
             return branch
 
-        def idle(names):
-            return lambda read, me: {name: zeros[name] for name in names}
+        def idle(carry, me):
+            return carry, jnp.zeros(pool.shape[1:], pool.dtype)
 
         # Per lane, only the (kind, position) pairs that lane runs: an unused op is never compiled.
-        lane_fields = [fields(pairs) for _, pairs in lane_branches]
-        branches = [[idle(names)] + [op(kind, pos, names) for kind, pos in pairs]
-                    for names, (_, pairs) in zip(lane_fields, lane_branches)]
-        # Per lane, branch -> whether it fills the stash (F of a chunk before the last).
-        fills = [jnp.asarray([False] + [kd == F and pos != LAST for kd, pos in pairs]) for _, pairs in lane_branches]
+        branches = [[idle] + [op(kind, pos) for kind, pos in pairs] for _, pairs in lane_branches]
+        nothing = jnp.zeros(pool.shape[1:], pool.dtype)
 
         def tick(carry, row):
-            pool, stash, g_layers, g_shared, loss, count = carry
             lanes, links = row
             outs = []
             for lane, lane_row in enumerate(lanes):  # in order: lane 0's F before lane 1's B
                 me = {name: col[stage] for name, col in lane_row.items()}
-                out = lax.switch(me["branch"], branches[lane], (pool, stash), me)
-                if "kept" in out:
-                    slot = jnp.where(fills[lane][me["branch"]], me["stash_slot"], trash)
-                    stash = [lax.dynamic_update_index_in_dim(buf, a, slot, 0) for buf, a in zip(stash, out["kept"])]
-                if "d_layers" in out:  # into the rows of this op's chunk
-                    g_layers = jax.tree.map(partial(accumulate_chunk, chunk=me["chunk"]), g_layers, out["d_layers"])
-                    g_layers = lax.with_sharding_constraint(g_layers, g_layer_sh)
-                if "d_shared" in out:
-                    g_shared = lax.with_sharding_constraint(jax.tree.map(jnp.add, g_shared, out["d_shared"]),
-                                                            g_shared_sh)
-                loss, count = loss + out["loss"], count + out["count"]
-                outs.append(out["message"])
+                carry, out = lax.switch(me["branch"], branches[lane], carry, me)
+                outs.append(out)
             link = {name: col[stage] for name, col in links.items()}
             # At most one message per link per stage and tick (ticks.py): pick the lane it comes from.
-            nothing = zeros["message"]
             up = lax.select_n(link["up_lane"] + 1, nothing, *outs)
             down = lax.select_n(link["down_lane"] + 1, nothing, *outs)
             from_below = lax.ppermute(up, "pp", [(i, (i + 1) % p) for i in range(p)])
             from_above = lax.ppermute(down, "pp", [(i, (i - 1) % p) for i in range(p)])
-            received = [(link["from_below"], from_below), (link["from_above"], from_above)]
-            received += [(lane_row["from_self"][stage], out) for lane_row, out in zip(lanes, outs)]
-            for slot, msg in received:
+            pool = carry[0]
+            kept = [(link["from_below"], from_below), (link["from_above"], from_above)]
+            kept += [(lane_row["from_self"][stage], out) for lane_row, out in zip(lanes, outs)]
+            for slot, msg in kept:
                 pool = lax.dynamic_update_index_in_dim(pool, msg, slot, 0)
-            return (pool, stash, g_layers, g_shared, loss, count), None
+            return (pool,) + carry[1:], None
 
         zero = jnp.zeros((), jnp.float32)
         carry = (pool, stash, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
