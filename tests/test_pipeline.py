@@ -153,13 +153,18 @@ def test_checkpoint_saved_at_pp1_resumes_at_pp2(pipelined_run, reference):
 # --------------------------------------------------------------------------- memory
 
 
-def test_stash_grows_with_stages_not_microbatches():
-    """The program's buffer pool: 1F1B's is fixed by p once m >= 2p, AFAB's grows with m. (With F and B
-    in lanes of their own, stage s >= 1 stashes up to 2(p-s)-1 inputs; stage 0's inputs are the tokens.)"""
+def test_pools_grow_with_stages_not_microbatches():
+    """The program's message pool and stash: 1F1B's are fixed by p once m >= 2p, AFAB's grow with m. (With
+    F and B in lanes of their own, stage s holds up to 2(p-s)-1 chunks in flight; stage 0's inputs are the
+    tokens.)"""
     for p in (2, 4, 8):
-        slots = {m: tick_tables(make_schedule("1f1b", p, m)).n_slots for m in (2 * p, 4 * p, 8 * p)}
+        tables = {m: tick_tables(make_schedule("1f1b", p, m)) for m in (2 * p, 4 * p, 8 * p)}
+        slots = {m: t.n_slots for m, t in tables.items()}
+        stash = {m: t.n_stash_slots for m, t in tables.items()}
         assert len(set(slots.values())) == 1 and slots[2 * p] <= 2 * p, slots
-        assert tick_tables(make_schedule("afab", p, 8 * p)).n_slots >= 8 * p
+        assert set(stash.values()) == {2 * p - 1}, stash  # stage 0's peak in flight
+        afab = tick_tables(make_schedule("afab", p, 8 * p))
+        assert afab.n_slots >= 8 * p and afab.n_stash_slots == 8 * p
 
 
 def temp_bytes(overrides: list[str], n_devices: int) -> tuple[int, int]:

@@ -19,28 +19,32 @@ Who holds what:
 One tick, every stage at once (p = 4, 1F1B steady state: two lanes, ticks.py):
 
     stage 0        stage 1        stage 2        stage 3
-    F mb6          F mb5          F mb4          F mb3+loss     lane 0: lax.switch on its op table
-    B mb0          B mb1          B mb2          B mb3          lane 1: lax.switch on its op table
+    F mb6          F mb5          F mb4          (F mb3)        lane 0: lax.switch on its op table
+    B mb0          B mb1          B mb2          F+B mb3, loss  lane 1: lax.switch on its op table
       │ x→ ←dy       │ x→ ←dy       │ x→ ←dy       │ ←dy
       └── at most one message per link and stage: ppermute +1 (what a lane sends on) and -1 ──┘
     pool[slot] ← what came from below / from above / from its own lanes, per the receive tables
 
-Ops, with recomputation: each stage stashes only the input x of a chunk (and the output
-gradient dy where the backward is split); B and W recompute the chunk's forward from x
-(jax.vjp at B time) instead of keeping its activations, so a stage holds peak-in-flight
-[b, T, D] tensors per the schedule, not a chunk's internal activations:
-    F  x → chunk (stage 0, chunk 0: embed first) → y, sent on; the last chunk: head + loss
-    B  x, dy → recompute, vjp → dx sent back; dW accumulated (unless split)
-    W  x, dy → recompute, vjp wrt weights only → dW accumulated (split schedules)
+Ops, as a step without the pipeline runs them (ops.py): F runs a chunk and keeps its pullback (the
+residuals train.remat saves) in the stage's stash; B spends it, so a stage holds its peak-in-flight
+microbatches' chunk activations, as the memory estimate counts them:
+    F  x → chunk (stage 0, chunk 0: embed first) → y, sent on; the pullback kept in stash[slot]
+    B  dy, stash[slot] → dx sent back; dW accumulated (unless split)
+    W  dy, stash[slot] → dW accumulated (split schedules)
+    the last chunk: F does nothing, B runs chunk, head, loss and backward at once and sends dx back
 
-What this costs against the formula (F = 1, B = 2; or B = W = 1 split): the program's ticks
-cost the schedule's makespan in those units (ticks.py: `makespan`), but B is 1 + 2, an extra
-chunk forward, so the unsplit schedules run at F:B = 1:3; split B is forward + input-grad chain
-and W is forward + the full chain (the weight grads of a layer need the grads flowing back
-through the layers after it), about 2 and 3: the split costs roughly 6 units per microbatch
-where the unsplit one costs 4. Every tick sends one [b, T, D] message each way, whether or not a
-stage has one. Interleaved and dualpipe_v add the stack permutation per step; the embedding/head
-psum adds one all-reduce of those parameters over pp per step.
+The branches update the stash and the gradient accumulators themselves: on the GPU that measured
+faster (1F1B at pp=2: 333 against 365 ms) than returning what they made and adding it after the switch,
+which costs zeros for every field a branch does not make.
+
+What this costs against the formula (F = 1, B = 2; or B = W = 1 split): the program's ticks cost
+the schedule's makespan in those units (ticks.py: `makespan`). The last chunk's F and B run as one
+op of 3 units at its B, which 1F1B places in the same tick anyway. Split B and W each pull back
+through the whole chunk (W's weight gradients need the input gradients flowing back through the
+layers after them), so a split microbatch costs about F + 1 + 2 units, where it would cost F + 2.
+Every tick sends one [b, T, D] message each way, whether or not a stage has one. Interleaved and
+dualpipe_v add the stack permutation per step; the embedding/head psum adds one all-reduce of those
+parameters over pp per step.
 """
 from __future__ import annotations
 

@@ -21,15 +21,18 @@ of p-s); `peak_in_flight` says what the program holds, and the memory estimate r
 ops), comparable with the schedule's free-running makespan.
 
 Each stage keeps one buffer pool of [b, T, D] slots for the two kinds of message it receives:
-the input activation x of one of its chunks for one microbatch (what F reads, and what B and W
-recompute the chunk from), and the gradient dy of that chunk's output (what B and W pull back).
-A message occupies a slot from the end of the tick that sends it until the last op that reads it
-(B, or W when the backward is split); slots are assigned by interval colouring, so the pool holds
-as many slots as the most messages live at once on any stage. The last slot is a trash slot: a
-receive with nothing to keep writes there, so every store is an unconditional dynamic update.
+the input activation x of one of its chunks for one microbatch (what F reads; the last chunk's B
+runs that chunk whole from it), and the gradient dy of that chunk's output (what B and W pull back).
+A message occupies a slot from the end of the tick that sends it until the last op that reads it;
+slots are assigned by interval colouring, so the pool holds as many slots as the most messages live
+at once on any stage. The last slot is a trash slot: a receive with nothing to keep writes there, so
+every store is an unconditional dynamic update. A second, larger pool, the stash, holds what F keeps
+of a chunk (its pullback, ops.py) from F until its last reader (B, or W when split), coloured the
+same way: `stash_slot` is where F writes it and B / W find it.
 
     tick t, stage s, lane l:  op = kind[t, s, l] on (microbatch, chunk)[t, s, l], position first/mid/last,
-                              reads pool[x_slot[t, s, l]], pool[dy_slot[t, s, l]]; yields one message
+                              reads pool[x_slot[t, s, l]], pool[dy_slot[t, s, l]], stash[stash_slot[t, s, l]];
+                              yields one message
     end of tick t:  the output of lane up_lane[t, s]   ──ppermute +1──> s+1 keeps it in pool[from_below]
                     the output of lane down_lane[t, s] ──ppermute -1──> s-1 keeps it in pool[from_above]
                     the output of lane l               ──(self)───────> s   keeps it in pool[from_self[.., l]]
