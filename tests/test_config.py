@@ -71,7 +71,8 @@ BAD = [
     pytest.param(["train.global_batch=0"], None, ["train.global_batch=0", ">= 1"], id="global-batch-zero"),
     # ---- parallelism not built yet
     # ---- pipeline (mesh.pp > 1)
-    pytest.param(["mesh.pp=2"], None, ["train.grad_accum=1", "mesh.pp=2", "at least 2"], id="pp-fewer-microbatches"),
+    pytest.param(["mesh.pp=2"], None, ["mesh.pp=2 needs train.grad_accum=4", "it is 1", "add train.grad_accum=4"],
+                 id="pp-fewer-microbatches"),
     pytest.param(["mesh.pp=2", "train.grad_accum=2", "model.n_layers=3"], None,
                  ["model.n_layers=3", "mesh.pp*pipeline.virtual_stages", "2*1 = 2"], id="pp-layers-not-divisible"),
     pytest.param(["mesh.pp=4", "mesh.fsdp=2", "train.grad_accum=6", "train.global_batch=24", "model.n_layers=8",
@@ -82,7 +83,11 @@ BAD = [
     pytest.param(["mesh.pp=2", "train.grad_accum=2", "pipeline.virtual_stages=2"], None,
                  ["pipeline.virtual_stages=2", "pipeline.schedule=interleaved"], id="pp-chunks-need-interleaved"),
     pytest.param(["mesh.pp=2", "train.grad_accum=2", "model.scan_layers=false"], None,
-                 ["model.scan_layers=false", "mesh.pp"], id="pp-needs-scanned-layers"),
+                 ["mesh.pp=2 needs model.scan_layers=true", "add model.scan_layers=true"], id="pp-needs-scanned-layers"),
+    # A config written for one GPU: both needs on one line, with the overrides that fix them.
+    pytest.param(["mesh.pp=2", "model.scan_layers=false"], None,
+                 ["mesh.pp=2 needs model.scan_layers=true", "add model.scan_layers=true train.grad_accum=4"],
+                 id="pp-one-line-for-a-one-gpu-config"),
     pytest.param(["pipeline.schedule=gpipe"], None, ["pipeline.schedule='gpipe'", "1f1b"], id="pp-unknown-schedule"),
     pytest.param(["mesh.cp=2", "data.seq_len=62"], None, ["data.seq_len=62", "2*mesh.cp*mesh.sp = 4"],
                  id="seq-len-not-divisible-by-zigzag-chunks"),

@@ -66,7 +66,7 @@ def validate(cfg: Config, n_devices: int) -> dict[str, int]:
     problems += mesh_problems(cfg, mesh) if mesh else []
     problems += moe_problems(cfg, mesh, tp)
     problems += parallel_problems(cfg, mesh)
-    problems += pipeline_problems(cfg, mesh["pp"]) if mesh and mesh["pp"] > 1 else []
+    problems += pipeline_problems(cfg, mesh) if mesh and mesh["pp"] > 1 else []
     problems += value_problems(cfg)
     problems += train_problems(cfg)
     problems += precision_problems(cfg)
@@ -202,20 +202,36 @@ def parallel_problems(cfg: Config, degrees: dict[str, int] | None) -> list[str]:
     return problems
 
 
-def pipeline_problems(cfg: Config, pp: int) -> list[str]:
-    """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, the layer split, fp8 state."""
-    m, pl = cfg.model, cfg.pipeline
-    problems = validate_args(pl.schedule, pp, cfg.train.grad_accum, pl.virtual_stages,
-                             names={"kind": "pipeline.schedule", "n_stages": "mesh.pp",
-                                    "n_microbatches": "train.grad_accum", "virtual_stages": "pipeline.virtual_stages"})
+def pipeline_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
+    """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, the layer split, fp8 state.
+
+    The two settings a config written for one GPU lacks (scanned layers, microbatches for the stages)
+    come as one line with the overrides that fix both, so `mesh.pp=2` on such a config is one retry."""
+    m, pl, pp = cfg.model, cfg.pipeline, degrees["pp"]
+    names = {"kind": "pipeline.schedule", "n_stages": "mesh.pp", "n_microbatches": "train.grad_accum",
+             "virtual_stages": "pipeline.virtual_stages"}
+    needs = []  # (override, why)
+    microbatches = cfg.train.grad_accum
+    if not m.scan_layers:
+        needs.append(("model.scan_layers=true", "the stages split the stacked layer axis"))
+    if isinstance(microbatches, int) and 0 < microbatches < pp:
+        # As many microbatches as the batch allows (one sequence each), if the schedule takes that many.
+        per_replica = cfg.train.global_batch // max(degrees["dp"] * degrees["fsdp"] * degrees["ep"], 1)
+        fits = per_replica >= pp and not validate_args(pl.schedule, pp, per_replica, pl.virtual_stages, names=names)
+        microbatches = per_replica if fits else pp
+        needs.append((f"train.grad_accum={microbatches}" if fits else f"train.grad_accum>={pp}",
+                      f"it is {cfg.train.grad_accum}: a microbatch at least for every stage"))
+    problems = []
+    if needs:
+        overrides = [o for o, _ in needs if ">=" not in o]
+        problems.append(f"mesh.pp={pp} needs " + "; ".join(f"{o} ({why})" for o, why in needs) +
+                        (": add " + " ".join(overrides) if len(overrides) == len(needs) else ""))
+    problems += validate_args(pl.schedule, pp, microbatches, pl.virtual_stages, names=names)
     chunks = pp * pl.virtual_stages
     if pl.virtual_stages >= 1 and m.n_layers % chunks:
         problems.append(f"model.n_layers={m.n_layers}: must be divisible by mesh.pp*pipeline.virtual_stages = "
                         f"{pp}*{pl.virtual_stages} = {chunks} (each stage runs whole layers); change the layer "
                         f"count, mesh.pp or pipeline.virtual_stages")
-    if not m.scan_layers:
-        problems.append("model.scan_layers=false: the pipeline splits the stacked layer axis over mesh.pp; set "
-                        "model.scan_layers=true")
     if cfg.precision.matmul == "fp8_delayed":
         problems.append(f"precision.matmul=fp8_delayed with mesh.pp={pp}: the pipeline does not carry the amax "
                         f"histories yet; use precision.matmul=fp8 (current scaling)")
