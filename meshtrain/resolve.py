@@ -89,16 +89,18 @@ class Execution:
         return ", ".join(parts)
 
 
-def resolve(cfg: Config, degrees: Mapping[str, int], backend: str) -> Execution:
+def resolve(cfg: Config, degrees: Mapping[str, int], backend: str, *, packages_here: bool = True) -> Execution:
     """Decide every `auto` of `cfg` for a mesh of these degrees on this backend ("cpu", "gpu", "tpu").
-    Raises ConfigError where an explicit choice cannot run here."""
+    Raises ConfigError where an explicit choice cannot run here. `packages_here=False` decides for another
+    machine (the planner): the optional kernel packages are assumed installed there, not looked for here."""
     m, moe = cfg.model, cfg.moe
     interpret = backend == "cpu"
     sequence_sharded = degrees["cp"] * degrees["sp"] > 1
     pipelined = degrees["pp"] > 1
     compute = jnp.dtype(cfg.precision.compute)
     attention = _attention(m.attention, backend, compute, cfg.data.document_mask, sequence_sharded)
-    kernel = _attention_kernel(m.attention_kernel, m.kv_dim, compute, interpret) if attention == "pallas" else ""
+    kernel = (_attention_kernel(m.attention_kernel, m.kv_dim, compute, interpret, packages_here)
+              if attention == "pallas" else "")
     experts = moe.n_experts > 0
     tp_ring = (cfg.parallel.tp_overlap == "collective_matmul" and degrees["tp"] > 1)
     pipeline = (PipelineRun(cfg.pipeline.schedule, degrees["pp"], cfg.pipeline.virtual_stages, cfg.train.grad_accum)
@@ -126,14 +128,17 @@ def _attention(impl: str, backend: str, compute: jnp.dtype, document_mask: bool,
     return "pallas" if document_mask or sequence_sharded else "cudnn"
 
 
-def _attention_kernel(kernel: str, head_dim: int, compute: jnp.dtype, interpret: bool) -> str:
+def _attention_kernel(kernel: str, head_dim: int, compute: jnp.dtype, interpret: bool, packages_here: bool) -> str:
     if kernel == "triton":
-        return _triton_installed(interpret, "model.attention_kernel=triton")
+        return _triton_installed(interpret, "model.attention_kernel=triton") if packages_here else "triton"
     why = pk.mosaic_unavailable(head_dim, compute, interpret=interpret)
     if kernel == "mosaic" and why:
         raise ConfigError(f"model.attention_kernel=mosaic: {why}; use model.attention_kernel=auto (Mosaic where it "
                           f"can run, Triton elsewhere) or triton")
-    return _triton_installed(interpret, f"model.attention=pallas ({why}, so its Triton kernels)") if why else "mosaic"
+    if not why:
+        return "mosaic"
+    return _triton_installed(interpret, f"model.attention=pallas ({why}, so its Triton kernels)") if packages_here \
+        else "triton"
 
 
 def _triton_installed(interpret: bool, what: str) -> str:

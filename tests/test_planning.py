@@ -333,3 +333,16 @@ def test_plan_json(capsys):
     times = [c["step_time_s"] for c in out["candidates"]]
     assert times == sorted(times)
     assert "dp" in out["rejected"] and "over memory" in out["rejected"]["dp"]
+
+
+def test_plan_searches_pipelines_with_a_microbatch_per_stage():
+    """Every pipeline layout the planner proposes runs its schedule: at least one microbatch per stage."""
+    from meshtrain.planning.search import search
+    from meshtrain.planning.timing import Rates
+
+    cfg = build_config({}, ["model.preset=llama1b", "data.seq_len=2048", "train.global_batch=16",
+                            "precision.compute=bfloat16"])
+    fits, refused = search(cfg, 4, 80 * 2**30, Rates.preset("h100"), top=10_000)
+    piped = [c.layout for c in fits if c.layout.degrees["pp"] > 1]
+    assert {lay.degrees["pp"] for lay in piped} == {2, 4}, refused
+    assert all(lay.grad_accum >= lay.degrees["pp"] for lay in piped)

@@ -101,3 +101,18 @@ def test_guard_and_planner_estimate_a_pipeline_alike(schedule):
     # the estimate holds the peak of microbatches in flight of the program the executor runs for the schedule
     peak = max(tick_tables(make_schedule(schedule, 4, 8, v)).peak_in_flight)
     assert guarded.detail["in_flight"] == in_flight(Layout.of(cfg)) == peak
+
+
+def test_the_planner_decides_for_a_machine_with_the_kernel_packages(monkeypatch):
+    """Planning for a GPU does not look for the Triton packages on the machine that plans; running does."""
+    import meshtrain.resolve
+
+    def absent(interpret, what):
+        raise ConfigError(f"{what} needs the jax_triton package")
+
+    monkeypatch.setattr(meshtrain.resolve, "_triton_installed", absent)
+    cfg = tiny_config("precision.compute=bfloat16", "model.attention=pallas", "model.attention_kernel=triton")
+    degrees = dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1)
+    with pytest.raises(ConfigError, match="jax_triton"):
+        resolve(cfg, degrees, "gpu")
+    assert resolve(cfg, degrees, "gpu", packages_here=False).attention_kernel == "triton"

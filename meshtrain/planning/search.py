@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from meshtrain.config import Config, ConfigError, build_config, validate
+from meshtrain.config.pipeline import validate_args
 from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, estimate, run_estimate
 from meshtrain.planning.timing import Rates, step_time
 from meshtrain.resolve import Execution, resolve
@@ -79,10 +80,15 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
         if degrees["ep"] > 1 and not cfg.moe.n_experts:
             refused.setdefault(family(Layout(degrees)), "ep shards MoE experts; this model has none")
             continue
+        # A pipeline needs a microbatch per stage at least (and what its schedule asks of their number).
+        pp = degrees["pp"]
+        runnable = [a for a in accums if (gb // a) % (degrees["dp"] * degrees["fsdp"]) == 0 and
+                    (pp == 1 or not validate_args(cfg.pipeline.schedule, pp, a, cfg.pipeline.virtual_stages))]
         for sp_flag in ((False, True) if degrees["tp"] > 1 else (False,)):
             base = Layout(degrees, sequence_parallel=sp_flag)
             fam = family(base)
-            base_cfg = layout_config(cfg, replace(base, micro_batch=gb))
+            first = runnable[0] if runnable else 1
+            base_cfg = layout_config(cfg, replace(base, micro_batch=gb // first, grad_accum=first))
             try:
                 validate(base_cfg, n_devices)
                 available = True
@@ -92,15 +98,13 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
                     refused.setdefault(fam, other[0])
                     continue
                 available = False  # estimated all the same, so the plan shows what the axis would give
-            try:  # what this layout would run (attention under pp or cp differs), as run would decide it
-                attention_impl = attention_kind(resolve(base_cfg, degrees, backend))
+            try:  # what this layout would run (attention under pp or cp differs), as run there would decide it
+                attention_impl = attention_kind(resolve(base_cfg, degrees, backend, packages_here=False))
             except ConfigError as e:
                 refused.setdefault(fam, e.problems[0])
                 continue
             for zero, remat, accum in itertools.product((0, 1, 2, 3) if degrees["fsdp"] > 1 else (0,), REMATS,
-                                                        accums):
-                if (gb // accum) % (degrees["dp"] * degrees["fsdp"]):
-                    continue
+                                                        runnable):
                 lay = replace(base, zero_stage=zero, remat=remat, micro_batch=gb // accum, grad_accum=accum)
                 cand = evaluate(cfg, lay, rates, n_devices, attention_impl)
                 prev = best_by_family.get(fam)
