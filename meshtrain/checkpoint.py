@@ -147,11 +147,16 @@ class Checkpointer:
         A step written before digests existed has none: it passes unverified."""
         if not (self.directory / str(step) / "_CHECKPOINT_METADATA").is_file():
             raise ValueError("its _CHECKPOINT_METADATA file is missing")
+        self._verify_digests(step, serialization.to_state_dict(state), whole=True)
+
+    def _verify_digests(self, step: int, state_dict: dict, whole: bool = False) -> None:
+        """The digests of `state_dict` (all of a step's arrays when `whole`, else a part, e.g. the params)
+        against those recorded at save time; ValueError on a mismatch."""
         saved = (self.manager.metadata(step).custom_metadata or {}).get(DIGESTS)
         if saved is None:
             return
-        got = digests(serialization.to_state_dict(state))
-        if set(got) != set(saved):
+        got = digests(state_dict)
+        if set(got) - set(saved) or whole and set(got) != set(saved):
             raise ValueError(f"its arrays are not those it recorded ({len(got)} read, {len(saved)} recorded)")
         bad = [k for k in got if got[k] != saved[k]]
         if bad:
@@ -216,6 +221,23 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(target, restore_args=args, partial_restore=True)))
         return restored["state"]["params"]
+
+    def restore_params_verified(self, step: int, abstract_params: Any, *, fall_back: bool) -> tuple[Any, int]:
+        """(params, the step they are from): `step`'s parameters, verified against the digests written
+        with them. With `fall_back` (the newest step was asked for, not a given one) a step that does not
+        read back intact is passed over for the next older one, with a line saying so; nothing is renamed
+        (a reader leaves the run directory as it found it). CheckpointError when no candidate verifies."""
+        candidates = [s for s in self.all_steps()[::-1] if s <= step] if fall_back else [step]
+        for i, candidate in enumerate(candidates):
+            try:
+                params = self.restore_params(candidate, abstract_params)
+                self._verify_digests(candidate, {"params": serialization.to_state_dict(params)})
+                return params, candidate
+            except Exception as e:  # noqa: BLE001
+                self._say_failed(candidate, reason(e), candidates[i + 1:])
+        raise CheckpointError(f"step{'s' if len(candidates) > 1 else ''} {', '.join(map(str, candidates))} in "
+                              f"{self.directory} do{'' if len(candidates) > 1 else 'es'} not read back intact (see "
+                              f"above); restore a copy of the run, or pass --step with an intact step")
 
     def saved_config(self, step: int) -> dict[str, Any]:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]

@@ -38,6 +38,7 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
         raise ConfigError(f"--checkpoint {source!r}: export writes a meshtrain run as a Hugging Face directory, and "
                           f"this already is one; to export a fine-tune of it, train with checkpoint.init_from={source} "
                           f"and export that run directory")
+    asked = step
     ckpt, step, saved = saved_run(source, step)
     values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}
     cfg = build_config(values, ["mesh.fsdp=1"])
@@ -46,7 +47,8 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
     # The saved rows of the vocabulary-sized tensors are padded for the tp it was trained with.
     setup = with_vocab_rows(setup, padded_vocab(cfg.model, saved["mesh"]["tp"]))
     try:
-        params = jax.device_get(ckpt.restore_params(step, abstract_params(setup)))
+        params, step = ckpt.restore_params_verified(step, abstract_params(setup), fall_back=asked is None)
+        params = jax.device_get(params)
     finally:
         ckpt.close()
 

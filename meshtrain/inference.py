@@ -65,6 +65,7 @@ def load(source: str, overrides: list[str], *, step: int | None = None) -> Loade
         params = load_params(hf_dir(source), setup.cfg.model, abstract_params(setup), setup.state_shardings.params)
         return Loaded(setup.cfg, setup, params, None, hf_dir(source))
 
+    asked = step
     ckpt, step, saved = saved_run(source, step)
     # The run's own settings, minus where it ran (mesh, hosts) and how it started.
     values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed")}
@@ -79,7 +80,7 @@ def load(source: str, overrides: list[str], *, step: int | None = None) -> Loade
                           f"choose a tp that divides {saved_rows}")
     setup = with_vocab_rows(setup, saved_rows)
     try:
-        params = ckpt.restore_params(step, abstract_params(setup))
+        params, step = ckpt.restore_params_verified(step, abstract_params(setup), fall_back=asked is None)
     finally:
         ckpt.close()
     return Loaded(setup.cfg, setup, params, step, hf_dir(init_from) if init_from else None)

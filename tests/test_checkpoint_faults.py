@@ -26,7 +26,7 @@ from meshtrain.config import ConfigError, build_config, validate
 from meshtrain.data import check_token_files
 from meshtrain.lock import RunLock
 from meshtrain.resume import check_compatible, restore_or_init
-from meshtrain.step.state import init_state
+from meshtrain.step.state import abstract_params, init_state
 
 MESH = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"]
 
@@ -150,6 +150,29 @@ def test_no_verified_step_is_one_line_naming_the_directory(saved, tmp_path):
     ckpt.close()
     assert str(ckpt_dir) in str(e.value) and "\n" not in str(e.value)
     assert sorted(p.name for p in ckpt_dir.iterdir() if p.name.isdigit()) == ["2", "4"], "nothing renamed"
+
+
+def test_readers_verify_the_params_and_fall_back_only_when_the_newest_was_asked_for(saved, tmp_path, capsys):
+    """evaluate, generate and export read only the parameters: those are verified too. Asked for the newest
+    step, a damaged one is passed over (and left where it is); asked for that step, it is an error."""
+    setup, directory, states = saved
+    ckpt_dir = tmp_path / "checkpoints"
+    shutil.copytree(directory, ckpt_dir)
+    for f in data_files(ckpt_dir / "4"):  # every array of step 4, parameters included
+        f.write_bytes(bytes(f.stat().st_size))
+    ckpt = Checkpointer(str(ckpt_dir), keep=3, async_save=False)
+    params, step = ckpt.restore_params_verified(4, abstract_params(setup), fall_back=True)
+    assert step == 2 and leaves_equal(jax.device_get(params), states[2].params)
+    out = capsys.readouterr().out
+    assert f"checkpoint step 4 in {ckpt_dir} cannot be used" in out and "falling back to step 2" in out
+    with pytest.raises(CheckpointError, match=r"step 4 in .* does not read back intact.*--step"):
+        Checkpointer(str(ckpt_dir), keep=3, async_save=False).restore_params_verified(
+            4, abstract_params(setup), fall_back=False)
+    ckpt.close()
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["2", "4"], "a reader renames nothing"
+    intact = Checkpointer(str(directory), keep=3, async_save=False)
+    params, step = intact.restore_params_verified(4, abstract_params(setup), fall_back=True)
+    assert step == 4 and leaves_equal(jax.device_get(params), states[4].params)
 
 
 def test_digest_sees_one_flipped_bit_and_not_the_sharding(saved):
