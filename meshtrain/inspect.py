@@ -51,7 +51,9 @@ def summary_lines(r) -> list[tuple[str, str]]:
         ("execution", r.execution.describe()),
         ("parameters", f"{r.params:,}"),
         ("FLOPs/step", f"{r.flops_per_step:.4g} XLA   {r.formula_flops_per_step:.4g} 6N+attention   "
-                       f"(x{ratio:.2f}; recomputation and replicated work count in XLA's)"),
+                       f"(x{ratio:.2f}; recomputation and replicated work count in XLA's" +
+                       ("; so does every op a pipeline tick could run, not the one it runs)" if r.execution.pipeline
+                        else ")")),
         ("arguments", human(m["argument_bytes"])), ("outputs", human(m["output_bytes"]) +
                                                     f" ({human(r.alias_bytes)} aliased to donated arguments)"),
         ("temporaries", human(m["temp_bytes"])), ("generated code", human(m["generated_code_bytes"])),

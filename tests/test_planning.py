@@ -77,6 +77,8 @@ def test_collective_table(reports, name, expected, allowed):
         assert want in found, f"{name}: expected {want} in {sorted(found)}"
     for r in rows:
         assert set(r.axes.split(",")) <= allowed, f"{name}: {r} runs over an axis the layout does not use"
+    if name.startswith("pp"):  # the executor's messages between stages are the pipeline's, not the optimizer's
+        assert {r.phase for r in rows if r.op == "collective-permute"} == {"pipeline"}, rows
         assert r.count >= 1 and r.bytes > 0
 
 
@@ -100,6 +102,8 @@ def test_new_axis_collectives(name, overrides, expected, allowed):
     assert expected in {(r.op, r.axes) for r in rows}, f"{name}: {sorted((r.op, r.axes) for r in rows)}"
     for r in rows:
         assert set(r.axes.split(",")) <= allowed, f"{name}: {r} runs over an axis the layout does not use"
+    if name.startswith("pp"):  # the executor's messages between stages are the pipeline's, not the optimizer's
+        assert {r.phase for r in rows if r.op == "collective-permute"} == {"pipeline"}, rows
 
 
 def test_gradient_collectives_sit_in_the_backward_and_repeat_per_layer(reports):
@@ -309,7 +313,7 @@ def test_inspect_json_dump_and_diff(reports, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"mesh", "params", "flops_per_step", "memory", "collectives"}
     assert set(out["memory"]) == {"argument_bytes", "output_bytes", "temp_bytes", "generated_code_bytes", "peak_bytes"}
-    assert all(set(c) == {"op", "axes", "count", "bytes"} for c in out["collectives"])
+    assert all(set(c) == {"op", "axes", "count", "bytes", "phase"} for c in out["collectives"])
     assert out["memory"] == reports["fsdp8_z3"].memory  # the same step as the fixture compiled
     index = (tmp_path / "INDEX.txt").read_text()
     assert "train_step.after_optimizations.hlo.txt" in index

@@ -45,8 +45,7 @@ class StepReport:
 
     def to_json(self) -> dict:
         return {"mesh": self.mesh, "params": self.params, "flops_per_step": self.flops_per_step,
-                "memory": self.memory, "collectives": [
-                    {"op": c.op, "axes": c.axes, "count": c.count, "bytes": c.bytes} for c in self.collectives]}
+                "memory": self.memory, "collectives": [c.to_json() for c in self.collectives]}
 
 
 def lower_step(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Setup, jax.stages.Lowered]:

@@ -16,8 +16,10 @@ fsdp runs over `dp,fsdp`.
 Rows are (op, axes, phase); count and bytes are per step (a collective inside the scanned layer
 stack runs once per layer). bytes is the collective's buffer per device, as nccl-tests count
 "size": all-gather its gathered result, the others their operand. Phase comes from the op's
-metadata: inside `transpose(jvp(...))` it is backward, inside `jvp(...)` forward, elsewhere the
-optimizer update (gradient clipping's norm, ZeRO's parameter gather after the sharded update).
+metadata: inside `transpose(jvp(...))` it is backward, inside `jvp(...)` forward, in the pipeline
+executor's own scope (its messages between stages, the stack's permutation, the sum of the shared
+parameters' gradients over pp) pipeline, elsewhere the optimizer update (gradient clipping's norm,
+ZeRO's parameter gather after the sharded update).
 
 Backends differ: the CPU compiler leaves a reduce-scatter as an all-reduce whose result each
 device slices to its shard; such an all-reduce is reported as the reduce-scatter it is.
@@ -33,7 +35,8 @@ import numpy as np
 from meshtrain.planning.hlo import Instr, Module, bytes_of, dims_of, multipliers
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "pipeline", "optimizer")
+PIPELINE_SCOPE = "pipeline_transfer"  # step/pipeline/executor.py TRANSFER_SCOPE (planning sits below step)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
 
 
 def phase_of(op_name: str) -> str:
+    if PIPELINE_SCOPE in op_name:
+        return "pipeline"
     if "transpose(" in op_name:
         return "backward"
     if "jvp(" in op_name:

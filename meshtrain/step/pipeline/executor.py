@@ -65,6 +65,10 @@ from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
 from meshtrain.step.state import Setup
 
 
+# The name scope of the executor's own collectives (messages between stages, the stack's permutation,
+# the shared parameters' gradient sum): the inspector's collective table calls their phase "pipeline".
+TRANSFER_SCOPE = "pipeline_transfer"
+
 # --------------------------------------------------------------------------- the stack's layout
 
 
@@ -184,8 +188,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             # At most one message per link per stage and tick (ticks.py): pick the lane it comes from.
             up = lax.select_n(link["up_lane"] + 1, nothing, *outs)
             down = lax.select_n(link["down_lane"] + 1, nothing, *outs)
-            from_below = lax.ppermute(up, "pp", [(i, (i + 1) % p) for i in range(p)])
-            from_above = lax.ppermute(down, "pp", [(i, (i - 1) % p) for i in range(p)])
+            with jax.named_scope(TRANSFER_SCOPE):
+                from_below = lax.ppermute(up, "pp", [(i, (i + 1) % p) for i in range(p)])
+                from_above = lax.ppermute(down, "pp", [(i, (i - 1) % p) for i in range(p)])
             pool = carry[0]
             kept = [(link["from_below"], from_below), (link["from_above"], from_above)]
             kept += [(lane_row["from_self"][stage], out) for lane_row, out in zip(lanes, outs)]
@@ -201,16 +206,19 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
         (_, _, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, (lane_rows, link_rows))
         g_layers = jax.tree.map(lambda a: a.reshape(v * k, *a.shape[2:]), g_layers)
-        return g_layers, lax.psum(g_shared, "pp"), lax.psum(loss, "pp"), lax.psum(count, "pp")
+        with jax.named_scope(TRANSFER_SCOPE):
+            return g_layers, lax.psum(g_shared, "pp"), lax.psum(loss, "pp"), lax.psum(count, "pp")
 
     program = jax.shard_map(stage_program, mesh=mesh, in_specs=(P("pp"), P(), P(), P()),
                             out_specs=(P("pp"), P(), P(), P()), axis_names={"pp"}, check_vma=False)
 
     def grad_fn(params, batch: Batch, scale=1.0, model_state=None):
         shared = {name: sub for name, sub in params.items() if name != "layers"}
-        layers = permute_blocks(params["layers"], order)
+        with jax.named_scope(TRANSFER_SCOPE):
+            layers = permute_blocks(params["layers"], order)
         g_layers, g_shared, loss, count = program(layers, shared, batch, jnp.asarray(scale, jnp.float32))
-        grads = {**g_shared, "layers": permute_blocks(g_layers, inverse)}
+        with jax.named_scope(TRANSFER_SCOPE):
+            grads = {**g_shared, "layers": permute_blocks(g_layers, inverse)}
         grads = jax.lax.with_sharding_constraint(grads, setup.grad_shardings)
         return Accumulated(grads, loss, count, model_state or {}, {"loss": loss})
 
