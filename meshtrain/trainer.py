@@ -213,9 +213,8 @@ class _Loop:
             source = cfg.checkpoint.init_from or f"the checkpoint in {cfg.checkpoint_dir}"
             return f"The parameters themselves hold NaN or inf (from {source}): check those weights."
         if cfg.precision.compute == "float16":
-            scale = float(self.state.loss_scale)
-            return (f"With precision.compute=float16 the loss scale backs off one skipped step at a time (now "
-                    f"{scale:g}): raise train.max_nonfinite, lower precision.loss_scale_init, or use bfloat16.")
+            return ("With precision.compute=float16 these steps overflowed at the smallest loss scale (1): the "
+                    "values themselves leave fp16's range; lower train.lr or use bfloat16.")
         return "Lower train.lr, raise train.warmup_steps, or check the data."
 
     # ----------------------------------------------------------------------------- the clock

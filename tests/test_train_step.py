@@ -1,6 +1,7 @@
 """The train step's own guarantees: remat policies change memory, never values; non-finite steps
 leave the state untouched and are counted; the host stops after train.max_nonfinite of them."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -42,6 +43,26 @@ def test_nonfinite_step_keeps_state_and_counts():
     assert int(state.step) == 4  # the data position moves on; the weights do not
     for a, b in zip(jax.tree.leaves(after_first), jax.tree.leaves((state.params, state.opt_state))):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_fp16_overflows_count_toward_the_streak_only_at_the_smallest_scale():
+    """fp16: the scaler halves its scale one skipped step at a time; those skips are not a failing run. An
+    overflow at scale 1 is (the values leave fp16's range whatever the scale)."""
+    setup = make_setup(single_device(tiny_config("precision.compute=float16", "train.lr=1e30",
+                                                 "train.warmup_steps=0", "train.grad_clip=0")), 1)
+    batches = make_batches(setup)
+    step = make_train_step(setup)
+    state, m = step(init_state(setup), batches.batch(0))  # finite; it sends the weights out of fp16's range
+    assert bool(m["finite"])
+    state = state.replace(loss_scale=jnp.float32(4.0))
+    runs, scales = [], []
+    for i in range(1, 6):
+        state, m = step(state, batches.batch(i))
+        assert not bool(m["finite"]) and int(state.nonfinite_total) == i
+        runs.append(int(state.nonfinite_run))
+        scales.append(float(state.loss_scale))
+    assert scales == [2.0, 1.0, 1.0, 1.0, 1.0]
+    assert runs == [0, 0, 1, 2, 3]  # overflows at scales 4 and 2 are the scaler's; from scale 1 they count
 
 
 def test_host_stops_after_max_nonfinite(tmp_path):

@@ -149,7 +149,7 @@ class TrainConfig:
     adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     log_every: int = 10  # steps between printed and logged metrics
-    max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) steps
+    max_nonfinite: int = 5  # stop after this many consecutive skipped (non-finite) steps (fp16: at loss scale 1)
 
     @property
     def total_schedule_steps(self) -> int:

@@ -48,9 +48,12 @@ def make_train_step(setup: Setup) -> Callable[[TrainState, Batch], tuple[TrainSt
         if fp16:
             scale, good = update_loss_scale(scale, good, finite,
                                             growth_interval=setup.cfg.precision.loss_scale_growth_interval)
+        # An fp16 overflow while the scale can still halve is the scaler finding its level, not a failing run:
+        # skipped, but outside the streak that train.max_nonfinite stops. At scale 1 it counts.
+        counts = ~finite & (state.loss_scale <= 1.0) if fp16 else ~finite
         new_state = TrainState(
             step=state.step + 1, params=params, model_state=keep(model_state, state.model_state), opt_state=opt_state,
-            nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + 1),
+            nonfinite_run=jnp.where(finite, 0, state.nonfinite_run + counts.astype(state.nonfinite_run.dtype)),
             nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32),
             loss_scale=scale, scale_good_steps=good)
         metrics = dict(objective=loss, grad_norm=grad_norm, lr=schedule(applied), finite=finite, tokens=n_tokens,
