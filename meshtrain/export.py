@@ -40,13 +40,13 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
                           f"and export that run directory")
     asked = step
     ckpt, step, saved = saved_run(source, step)
-    values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}
-    cfg = build_config(values, ["mesh.fsdp=1"])
-    degrees = validate(cfg, 1)
-    setup = build_setup(with_mesh(cfg, degrees), build_mesh(degrees, jax.devices("cpu")[:1]))
-    # The saved rows of the vocabulary-sized tensors are padded for the tp it was trained with.
-    setup = with_vocab_rows(setup, padded_vocab(cfg.model, saved["mesh"]["tp"]))
-    try:
+    try:  # closed on every way out (inference.load says why)
+        values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}
+        cfg = build_config(values, ["mesh.fsdp=1"])
+        degrees = validate(cfg, 1)
+        setup = build_setup(with_mesh(cfg, degrees), build_mesh(degrees, jax.devices("cpu")[:1]))
+        # The saved rows of the vocabulary-sized tensors are padded for the tp it was trained with.
+        setup = with_vocab_rows(setup, padded_vocab(cfg.model, saved["mesh"]["tp"]))
         params, step = ckpt.restore_params_verified(step, abstract_params(setup), fall_back=asked is None)
         params = jax.device_get(params)
     finally:

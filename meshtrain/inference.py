@@ -45,15 +45,20 @@ def checkpoint_dir(source: str) -> Path:
 
 
 def saved_run(source: str, step: int | None) -> tuple[Checkpointer, int, dict[str, Any]]:
+    """(the run's checkpointer, which the caller closes; the step to read; its saved config)."""
     ckpt = Checkpointer(str(checkpoint_dir(source)), keep=1_000_000, async_save=False)
-    steps = ckpt.all_steps()
-    if not steps:
-        raise ConfigError(f"--checkpoint {source!r}: holds no committed checkpoint")
-    if step is None:
-        step = max(steps)
-    elif step not in steps:
-        raise ConfigError(f"--step {step}: not in {source!r}; it holds steps {', '.join(map(str, sorted(steps)))}")
-    return ckpt, step, ckpt.saved_config(step)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise ConfigError(f"--checkpoint {source!r}: holds no committed checkpoint")
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise ConfigError(f"--step {step}: not in {source!r}; it holds steps {', '.join(map(str, sorted(steps)))}")
+        return ckpt, step, ckpt.saved_config(step)
+    except BaseException:
+        ckpt.close()
+        raise
 
 
 def load(source: str, overrides: list[str], *, step: int | None = None) -> Loaded:
@@ -67,19 +72,19 @@ def load(source: str, overrides: list[str], *, step: int | None = None) -> Loade
 
     asked = step
     ckpt, step, saved = saved_run(source, step)
-    # The run's own settings, minus where it ran (mesh, hosts) and how it started.
-    values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed")}
-    init_from = values.get("checkpoint", {}).get("init_from", "")
-    values["checkpoint"] = {}
-    cfg = build_config(values, overrides)
-    setup = _setup(cfg)
-    tp, saved_rows = setup.mesh.shape["tp"], padded_vocab(cfg.model, saved["mesh"]["tp"])
-    if saved_rows % tp:
-        raise ConfigError(f"mesh.tp={tp} does not divide the checkpoint's {saved_rows} vocabulary rows "
-                          f"(model.vocab_size={cfg.model.vocab_size} padded for its mesh.tp={saved['mesh']['tp']}); "
-                          f"choose a tp that divides {saved_rows}")
-    setup = with_vocab_rows(setup, saved_rows)
-    try:
+    try:  # closed on every way out: Orbax's threads outliving the interpreter print a traceback at exit
+        # The run's own settings, minus where it ran (mesh, hosts) and how it started.
+        values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed")}
+        init_from = values.get("checkpoint", {}).get("init_from", "")
+        values["checkpoint"] = {}
+        cfg = build_config(values, overrides)
+        setup = _setup(cfg)
+        tp, saved_rows = setup.mesh.shape["tp"], padded_vocab(cfg.model, saved["mesh"]["tp"])
+        if saved_rows % tp:
+            raise ConfigError(f"mesh.tp={tp} does not divide the checkpoint's {saved_rows} vocabulary rows "
+                              f"(model.vocab_size={cfg.model.vocab_size} padded for its "
+                              f"mesh.tp={saved['mesh']['tp']}); choose a tp that divides {saved_rows}")
+        setup = with_vocab_rows(setup, saved_rows)
         params, step = ckpt.restore_params_verified(step, abstract_params(setup), fall_back=asked is None)
     finally:
         ckpt.close()

@@ -175,6 +175,23 @@ def test_readers_verify_the_params_and_fall_back_only_when_the_newest_was_asked_
     assert step == 4 and leaves_equal(jax.device_get(params), states[4].params)
 
 
+def test_readers_close_the_checkpoint_on_an_error(saved, monkeypatch):
+    """A reader that stops on a config error closes what it opened (Orbax's threads left open print a
+    traceback at interpreter exit, after the one clean line)."""
+    from meshtrain import inference
+    _, directory, _ = saved
+    closed = []
+    monkeypatch.setattr(Checkpointer, "close", lambda self: closed.append(self.directory))
+    for bad in (["train.stpes=3"], ["--step"]):
+        closed.clear()
+        with pytest.raises(ConfigError):
+            if bad == ["--step"]:
+                inference.load(str(directory), [], step=3)  # no such step
+            else:
+                inference.load(str(directory), bad)
+        assert closed == [directory], bad
+
+
 def test_digest_sees_one_flipped_bit_and_not_the_sharding(saved):
     setup, _, states = saved
     tree = serialization.to_state_dict(states[4])
