@@ -150,9 +150,16 @@ def mesh_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
         checks.append((m.attention != "cudnn", f"model.attention=cudnn cannot run with the sequence split "
                                                f"(mesh.cp={cp}, mesh.sp={sp}): it masks by index only; use "
                                                f"model.attention=pallas (or auto)"))
-    if pp > 1:
-        checks.append((cp * sp == 1, f"mesh.pp={pp} with mesh.cp*mesh.sp={cp * sp}: the pipeline and the sequence "
-                                     f"split are not composed yet; set mesh.pp=1 or mesh.cp=mesh.sp=1"))
+    if pp > 1 and cp > 1:
+        # Inside a stage only collectives whose groups stay within the stage may run: each stage takes its own
+        # branch of the tick's switch, and a permute pairing devices of two stages waits for ever.
+        checks.append((cfg.parallel.cp_impl == "allgather",
+                       f"mesh.pp={pp} with mesh.cp={cp}: the ring's K/V permutes cannot run inside a pipeline stage; "
+                       f"set parallel.cp_impl=allgather"))
+        checks.append((not (cfg.parallel.sequence_parallel and tp > 1),
+                       f"mesh.pp={pp} with mesh.cp={cp} and parallel.sequence_parallel=true (mesh.tp={tp}): the "
+                       f"sequence's reshards between cp and tp cannot run inside a pipeline stage; set "
+                       f"parallel.sequence_parallel=false, or use mesh.sp instead of mesh.cp"))
     return failed(checks)
 
 
