@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from helpers_env import CPU_COMPILE_FLAGS
 from meshtrain.config import MESH_AXES, Config, build_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
 from meshtrain.step.accumulate import make_grad_fn
@@ -88,9 +89,10 @@ CLI_TINY = TINY + ["train.log_every=1"]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """Environment for a fresh `python -m meshtrain.run`: CPU only, the device count left to run.py."""
+    """Environment for a fresh `python -m meshtrain.run`: CPU only, the device count left to run.py, the
+    suite's fast CPU compilation (helpers_env)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", XLA_FLAGS=CPU_COMPILE_FLAGS, **extra)
     return env
 
 

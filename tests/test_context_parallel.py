@@ -1,5 +1,6 @@
 """Context parallelism (ring attention over cp) and Ulysses (all-to-all over sp) compute what one
-device computes, on 8 simulated devices: fp32 losses over 3 steps (rtol 1e-5) in every case, and
+device computes, on 8 simulated devices: fp32 losses over 3 steps (rtol 1e-5) in every case (the first step
+only with the interpreted Pallas kernels), and
 first-step gradients (1e-5 of each tensor's largest entry) in the three that span the data movement
 (the zig-zag ring, Ulysses inside the ring with tp, and the ring under fsdp+tp+SP with ZeRO-3).
 
@@ -37,6 +38,7 @@ CASES = {
     "cp2_fsdp2_tp2_pallas": ("mesh.cp=2", "mesh.fsdp=2", "mesh.tp=2", "model.attention=pallas"),
 }
 GRADIENT_CASES = ("cp2_fsdp4_zero3", "cp2_sp2_tp2", "cp2_fsdp2_tp2_seqpar_zero3")
+ONE_STEP_CASES = ("cp2_fsdp2_tp2_pallas",)  # interpreted kernels run slowly on the CPU: the first step's loss
 
 
 def run(setup, grads: bool, n_steps: int = STEPS):
@@ -58,7 +60,8 @@ class Runs(dict):
         if name == "reference":
             self[name] = run(make_setup(single_device(tiny_config(*DOCS)), 1), grads=True)
         else:
-            self[name] = run(make_setup(tiny_config(*CASES[name], *DOCS), 8), grads=name in GRADIENT_CASES)
+            self[name] = run(make_setup(tiny_config(*CASES[name], *DOCS), 8), grads=name in GRADIENT_CASES,
+                             n_steps=1 if name in ONE_STEP_CASES else STEPS)
         return self[name]
 
 
@@ -80,7 +83,7 @@ def test_matches_single_device(case, runs):
     ref, got = runs["reference"], runs[case]
     if case in GRADIENT_CASES:
         assert_grads_close(got["grads"], ref["grads"])
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose(got["losses"], ref["losses"][:len(got["losses"])], rtol=1e-5)
 
 
 def test_zigzag_and_contiguous_layouts_give_the_same_loss(runs):

@@ -61,6 +61,8 @@ CASES = {
                                    "model.loss=fused"],
 }
 STEP_CASE = "1f1b-pp2-fsdp2-tp2-zero3"  # also runs the real train step and the checkpoint round trips
+# Interpreted kernels run slowly on the CPU: these cases check the first step only (gradients and loss).
+FIRST_STEP_ONLY = {"1f1b-pp2-fsdp2-tp2-kernels"}
 
 
 def host(tree):
@@ -101,13 +103,14 @@ def test_schedule_matches_single_device(case, reference):
     grad_fn = jax.jit(make_grad_fn(setup))
     batches = make_batches(setup)
     losses = []
-    for i, params in enumerate(reference["params"]):
+    points = reference["params"][:1] if case in FIRST_STEP_ONLY else reference["params"]
+    for i, params in enumerate(points):
         params = jax.device_put(params, setup.state_shardings.params)
         grads, loss_sum, n_tokens, _, _ = grad_fn(params, batches.batch(i))
         if i == 0:
             assert_grads_close(jax.tree.map(lambda g: np.asarray(g) / float(n_tokens), grads), reference["grads"])
         losses.append(float(loss_sum / n_tokens))
-    np.testing.assert_allclose(losses, reference["losses"], rtol=1e-5)
+    np.testing.assert_allclose(losses, reference["losses"][:len(points)], rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- the train step, checkpoints

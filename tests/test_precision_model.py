@@ -11,7 +11,7 @@ Tolerances:
   each tensor's max, as for fp32 (measured <= 6e-7). Later steps are not compared: Adam's first update
   is lr * sign(g), so a gradient element near zero can flip and move its parameter by 2 lr, which the
   next fp8 roundings amplify (losses of 4 steps differ by up to 7e-4 relative).
-- fp8 training: 200 steps of the tiny model in bf16 compute; the mean loss of the last 10 steps of each
+- fp8 training: 100 steps of the tiny model in bf16 compute; the mean loss of the last 10 steps of each
   fp8 recipe within 2% of the bf16 recipe's (the acceptance bar; measured within 0.1%).
 """
 import jax
@@ -123,8 +123,8 @@ def curves():
     out = {}
     for recipe in ("bf16",) + FP8:
         cfg = single_device(tiny_config(f"precision.matmul={recipe}", "precision.compute=bfloat16", "train.lr=3e-3",
-                                        "train.warmup_steps=10", "train.steps=200"))
-        out[recipe] = train_losses(make_setup(cfg, 1), 200)
+                                        "train.warmup_steps=10", "train.steps=100"))
+        out[recipe] = train_losses(make_setup(cfg, 1), 100)  # bf16 falls by 3.6 in 100 steps
     return out
 
 
