@@ -84,6 +84,7 @@ class MetricsLog:
         show_bar = progress and self.is_writer and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step",
                         dynamic_ncols=True, leave=True)
+        self._rate_from_here = False
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run replays the steps after its checkpoint: drop their records from the stopped run (or
@@ -104,6 +105,14 @@ class MetricsLog:
 
     def advance(self, n: int = 1) -> None:
         self.bar.update(n)
+        if not self._rate_from_here and not self.bar.disable:
+            # The first step's time is mostly compilation: the bar's rate, and so the time it says is left,
+            # counts from the end of that step, not from the start of the run.
+            self._rate_from_here = True
+            done = self.bar.n
+            self.bar.reset()  # the clock and the rate's averages from now
+            self.bar.initial = self.bar.n = self.bar.last_print_n = done
+            self.bar.refresh()
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_writer:

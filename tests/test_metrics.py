@@ -111,3 +111,22 @@ def test_host_work_moves_no_device_time_between_intervals(paused_run):
         assert median / 2 < r["step_time_s"] < median * 2, (s, {s: r["step_time_s"] for s, r in timed.items()})
     # The host-side work (starting the trace too) is taken out of the interval it ran in.
     assert all(timed[s]["paused_s"] > 0 for s in (3, 5, 6, 7)), {s: r["paused_s"] for s, r in timed.items()}
+
+
+def test_the_bars_rate_counts_from_the_end_of_the_first_step(tmp_path, monkeypatch):
+    """The first step carries the compile: the bar's rate (and its time left) must not average it in."""
+    import sys
+    import time
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    log = MetricsLog(str(tmp_path), total_steps=100, first_step=0, progress=True)
+    time.sleep(0.5)  # "compiling"
+    log.advance()
+    for _ in range(3):
+        time.sleep(0.01)
+        log.advance()
+    info = log.bar.format_dict
+    assert info["n"] == 4 and info["initial"] == 1
+    assert info["elapsed"] < 0.3, info  # the clock restarted after the first step
+    assert (info["n"] - info["initial"]) / info["elapsed"] > 20, info  # ~100 steps/s, not ~8
+    log.bar.close()
