@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from meshtrain.planning.hlo import Instr, Module, bytes_of, dims_of, multipliers
+from meshtrain.step.pipeline.ticks import TRANSFER_SCOPE
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PHASES = ("forward", "backward", "pipeline", "optimizer")
-PIPELINE_SCOPE = "pipeline_transfer"  # step/pipeline/executor.py TRANSFER_SCOPE (planning sits below step)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
 
 
 def phase_of(op_name: str) -> str:
-    if PIPELINE_SCOPE in op_name:
+    if TRANSFER_SCOPE in op_name:
         return "pipeline"
     if "transpose(" in op_name:
         return "backward"

@@ -60,14 +60,10 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.data import Batch
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import chunk_ops
-from meshtrain.step.pipeline.ticks import IDLE, TickTables, tick_tables
+from meshtrain.step.pipeline.ticks import IDLE, TRANSFER_SCOPE, TickTables, tick_tables
 from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
 from meshtrain.step.state import Setup
 
-
-# The name scope of the executor's own collectives (messages between stages, the stack's permutation,
-# the shared parameters' gradient sum): the inspector's collective table calls their phase "pipeline".
-TRANSFER_SCOPE = "pipeline_transfer"
 
 # --------------------------------------------------------------------------- the stack's layout
 

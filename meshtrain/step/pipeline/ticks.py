@@ -50,6 +50,9 @@ KIND_CODE = {"F": F, "B": B, "W": W}
 FIRST, MID, LAST = 0, 1, 2  # where the op's chunk sits in the model: embeds / plain / computes the loss
 NO_LANE = -1  # up_lane / down_lane: nothing leaves on that link
 PAIRED_KINDS = ("1f1b", "interleaved")  # F and B in lanes of their own (module docstring)
+# The name scope of the executor's own collectives (messages between stages, the stack's permutation, the
+# shared parameters' gradient sum); the inspector's collective table calls their phase "pipeline".
+TRANSFER_SCOPE = "pipeline_transfer"
 
 
 @dataclass(frozen=True)
