@@ -12,9 +12,9 @@ DIR/bench_moe.md and prints a table last.
   # the experts' grouped GEMM alone (one GPU): Pallas gmm vs jax.lax.ragged_dot at the OLMoE shape
   PYTHONPATH=. python scripts/bench_moe.py --moe-gemm --out results/moe_gemm
 
-The all-to-all share is measured by timing: the `exchange-free` row runs the same step with every
-all-to-all of parallel/expert.py (counts, rows and results) replaced by a local copy of the
-same shape, so the compute and memory traffic stay and only the communication goes (its numbers are
+The exchange's share is measured by timing: the `exchange-free` row runs the same step with every
+collective of parallel/expert.py (all-to-alls, or the all-gathers and the reduce-scatter) replaced by a
+local copy of the same shape, so the compute and memory traffic stay and only the communication goes (its numbers are
 not a valid training step). share = 1 - t(exchange-free) / t(MoE). The compiled HLO's all-to-all ops
 and their operand sizes are listed beside it.
 """
@@ -77,33 +77,34 @@ def rows(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 @contextlib.contextmanager
 def exchanges_local(ep: int):
-    """While tracing: every all-to-all (and the all_gather of counts) becomes a local copy of the same
-    shape, so the step keeps its compute and memory traffic but moves nothing between devices."""
+    """While tracing: every all-to-all, all-gather and reduce-scatter of the expert exchange becomes a local
+    copy of the same shape, so the step keeps its compute and memory traffic but moves nothing between
+    devices. Only these explicit calls are patched: the collectives the partitioner inserts (the gradient
+    reduction over ep, for one) stay, and the bench's configs call no other explicit collective."""
     import jax
     import jax.numpy as jnp
 
     def all_to_all(x, axis_name, split_axis, concat_axis, tiled=False, **kw):
         return x  # dispatch uses tiled split 0 / concat 0: the result has the operand's shape
 
-    def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, **kw):
-        m = min(operand.shape[0], output.shape[0])
-        return output.at[:m].set(operand[:m])
+    def all_gather(x, axis_name, *, axis=0, tiled=False, **kw):
+        return jnp.concatenate([x] * ep, axis) if tiled else jnp.stack([x] * ep, axis)
 
-    def all_gather(x, axis_name, **kw):
-        return jnp.stack([x] * ep)
+    def psum_scatter(x, axis_name, *, scatter_dimension=0, tiled=False, **kw):
+        return jax.lax.slice_in_dim(x, 0, x.shape[scatter_dimension] // ep, axis=scatter_dimension)
 
     with mock.patch.object(jax.lax, "all_to_all", all_to_all), \
-            mock.patch.object(jax.lax, "ragged_all_to_all", ragged_all_to_all), \
-            mock.patch.object(jax.lax, "all_gather", all_gather):
+            mock.patch.object(jax.lax, "all_gather", all_gather), \
+            mock.patch.object(jax.lax, "psum_scatter", psum_scatter):
         yield
 
 
 def hlo_all_to_alls(compiled_text: str) -> list[str]:
-    """The all-to-all instructions of a compiled HLO module: their result shapes."""
+    """The all-to-all, all-gather and reduce-scatter instructions of a compiled HLO module: their result shapes."""
     found = []
     for line in compiled_text.splitlines():
         # GPUs run collectives asynchronously: count the `-start` half, never the `-done` half.
-        m = re.search(r"=\s*(\([^)]*\)|\S+)\s+(ragged-all-to-all|all-to-all)(-start)?\(", line)
+        m = re.search(r"=\s*(\([^)]*\)|\S+)\s+(all-to-all|all-gather|reduce-scatter)(-start)?\(", line)
         if m:
             found.append(f"{m.group(2)} -> {m.group(1)}")
     return found

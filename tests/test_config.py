@@ -108,7 +108,7 @@ BAD = [
     pytest.param(["moe.n_experts=4", "moe.n_shared=-1"], None, ["moe.n_shared=-1"], id="shared-negative"),
     pytest.param(["moe.n_experts=-2"], None, ["moe.n_experts=-2", ">= 0"], id="experts-negative"),
     pytest.param(["moe.router=topk"], None, ["moe.router='topk'", "softmax", "sigmoid"], id="bad-router"),
-    pytest.param(["moe.dispatch=nccl"], None, ["moe.dispatch='nccl'", "ragged", "padded"], id="bad-dispatch"),
+    pytest.param(["moe.dispatch=nccl"], None, ["moe.dispatch='nccl'", "allgather", "padded"], id="bad-dispatch"),
     pytest.param(["moe.grouped_matmul=cutlass"], None, ["moe.grouped_matmul='cutlass'", "ragged_dot", "pallas"],
                  id="bad-grouped-matmul"),
     # ---- training knobs

@@ -81,10 +81,11 @@ def loop_reference(params, x_btd, moe: MoEConfig, kept=None, choices=None):
     return jnp.stack(ys).reshape(x_btd.shape), jnp.stack(weights), np.array(chosen)
 
 
-@pytest.mark.parametrize("ep, router", [(1, "softmax"), (2, "sigmoid")])
-def test_dropless_matches_loop(ep, router):
-    layer = make_layer(ep, router=router)
-    x_btd = jax.random.normal(jax.random.key(0), (2, 5, D))
+@pytest.mark.parametrize("ep, router, dispatch", [(1, "softmax", "padded"), (2, "sigmoid", "padded"),
+                                                  (2, "softmax", "allgather"), (4, "sigmoid", "allgather")])
+def test_dropless_matches_loop(ep, router, dispatch):
+    layer = make_layer(ep, router=router, dispatch=dispatch)
+    x_btd = jax.random.normal(jax.random.key(0), (max(2, ep), 5, D))  # ep splits the batch
     params = init(layer, x_btd)
     y, stats = jax.jit(lambda p, x: apply(layer, p, x))(params, x_btd)
     want, want_w, chosen = loop_reference(params, x_btd, layer.moe)
@@ -147,11 +148,12 @@ def test_capacity_drops_match_hand_worked_case(ep):
     assert float(stats2["moe_dropped"]) == 0.0
 
 
-@pytest.mark.parametrize("ep, tp, capacity_factor", [(1, 1, 1.0), (2, 2, 0.0)])
-def test_pallas_grouped_matmul_matches_ragged_dot(ep, tp, capacity_factor):
+@pytest.mark.parametrize("ep, tp, capacity_factor, dispatch", [(1, 1, 1.0, "padded"), (2, 2, 0.0, "padded"),
+                                                               (2, 2, 0.0, "allgather")])
+def test_pallas_grouped_matmul_matches_ragged_dot(ep, tp, capacity_factor, dispatch):
     """moe.grouped_matmul=pallas (the kernel in interpret mode) against ragged_dot: outputs and gradients.
     tp=2 takes the kernel's tp-manual path (each rank half of every expert's width, outputs summed)."""
-    _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, (2 * ep, 5, D))
+    _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, (2 * ep, 5, D), dispatch)
 
 
 @pytest.mark.gpu
@@ -160,8 +162,8 @@ def test_compiled_pallas_grouped_matmul_matches_ragged_dot():
     _check_pallas_matches_ragged_dot(1, 1, 0.0, (2, 64, D))
 
 
-def _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, shape):
-    fields = dict(capacity_factor=capacity_factor)
+def _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, shape, dispatch="padded"):
+    fields = dict(capacity_factor=capacity_factor, dispatch=dispatch)
     ref, kern = (make_layer(ep, tp, grouped_matmul=g, **fields) for g in ("ragged_dot", "pallas"))
     x_btd = jax.random.normal(jax.random.key(0), shape)
     params = init(ref, x_btd)
@@ -179,11 +181,11 @@ def _check_pallas_matches_ragged_dot(ep, tp, capacity_factor, shape):
 
 
 @pytest.mark.gpu
-def test_ragged_exchange_matches_padded():
-    """The GPU's ragged all-to-all moves the same rows as the padded fallback the CPU tests exercise."""
+def test_allgather_exchange_matches_padded_on_gpus():
+    """On GPUs (NCCL's collectives), the all-gather exchange gives what the padded all-to-all gives."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    padded, ragged = make_layer(2, dispatch="padded"), make_layer(2, dispatch="ragged")
+    padded, allgather = make_layer(2, dispatch="padded"), make_layer(2, dispatch="allgather")
     x_btd = jax.random.normal(jax.random.key(0), (2, 64, D))
     params = init(padded, x_btd)
     g_btd = jax.random.normal(jax.random.key(2), x_btd.shape)
@@ -192,8 +194,8 @@ def test_ragged_exchange_matches_padded():
         loss = lambda p, x: jnp.sum(apply(layer, p, x)[0] * g_btd)  # noqa: E731
         return jax.jit(lambda p, x: (apply(layer, p, x)[0], jax.grad(loss, argnums=(0, 1))(p, x)))(params, x_btd)
 
-    (y_p, g_p), (y_r, g_r) = out_and_grads(padded), out_and_grads(ragged)
-    assert_close(y_r, y_p)
+    (y_p, g_p), (y_a, g_a) = out_and_grads(padded), out_and_grads(allgather)
+    assert_close(y_a, y_p)
     for name in params:
-        assert_close(g_r[0][name], g_p[0][name], name)
-    assert_close(g_r[1], g_p[1], "input")
+        assert_close(g_a[0][name], g_p[0][name], name)
+    assert_close(g_a[1], g_p[1], "input")

@@ -49,7 +49,7 @@ def test_model_guard_planner_and_inspector_see_one_execution(case):
     assert as_given(cfg, Rates.preset("cpu"), 8, backend="cpu")[1] == exe
     # and each case took the branch it is here for
     assert {"pipeline": exe.pipeline is not None, "context": exe.sequence_sharded,
-            "moe": exe.moe_exchange == "padded"}[case]
+            "moe": exe.moe_exchange == "allgather"}[case]
 
 
 def test_the_decisions_on_a_gpu(monkeypatch):
@@ -70,21 +70,19 @@ def test_the_decisions_on_a_gpu(monkeypatch):
     assert on_gpu("precision.compute=float32").attention == "reference"
     assert on_gpu("model.attention=pallas", "model.attention_kernel=triton").attention_kernel == "triton"
     moe = on_gpu("model.preset=tiny_moe", ep=2)
-    assert (moe.moe_exchange, moe.moe_gemm, moe.moe_fp32) == ("ragged", "pallas", False)
+    assert (moe.moe_exchange, moe.moe_gemm, moe.moe_fp32) == ("allgather", "pallas", False)
+    assert on_gpu("model.preset=tiny_moe", "moe.top_k=1", ep=2).moe_exchange == "padded"
     assert on_gpu("parallel.tp_overlap=collective_matmul", tp=2).tp_ring
     assert not on_gpu("parallel.tp_overlap=collective_matmul").tp_ring  # tp = 1: nothing to overlap
     cpu = resolve(tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16"),
                   dict(pp=1, dp=1, fsdp=1, ep=2, cp=1, sp=1, tp=1), "cpu")
-    assert (cpu.moe_exchange, cpu.moe_gemm, cpu.moe_fp32, cpu.interpret) == ("padded", "ragged_dot", True, True)
+    assert (cpu.moe_exchange, cpu.moe_gemm, cpu.moe_fp32, cpu.interpret) == ("allgather", "ragged_dot", True, True)
 
 
 def test_an_explicit_choice_that_cannot_run_here_is_one_config_error():
     cfg = tiny_config("model.attention=pallas", "model.attention_kernel=mosaic")
     with pytest.raises(ConfigError, match=r"model.attention_kernel=mosaic: interpret mode"):
         resolve(cfg, dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), "cpu")
-    with pytest.raises(ConfigError, match="moe.dispatch=ragged: the CPU backend has no ragged all-to-all"):
-        resolve(tiny_config("model.preset=tiny_moe", "moe.dispatch=ragged"),
-                dict(pp=1, dp=1, fsdp=1, ep=2, cp=1, sp=1, tp=1), "cpu")
 
 
 @pytest.mark.parametrize("schedule", KINDS)

@@ -114,7 +114,9 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0: dropless; > 0: GShard capacity per expert, overflow skips via the residual
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch/GShard form), per MoE layer
     z_loss_coef: float = 0.001  # router z-loss (ST-MoE), per MoE layer
-    dispatch: Literal["auto", "ragged", "padded"] = "auto"  # dropless all-to-all; auto: ragged on GPUs
+    # The dropless exchange over ep (parallel/expert.py): allgather (tokens in, partial outputs reduce-scattered
+    # out) or the padded all-to-all; auto: allgather for top_k >= 2, else padded (meshtrain/resolve.py)
+    dispatch: Literal["auto", "allgather", "padded"] = "auto"
     # The experts' grouped GEMMs; auto: pallas on GPUs (XLA's GPU ragged_dot is a dense dot over all experts).
     grouped_matmul: Literal["auto", "ragged_dot", "pallas"] = "auto"
 

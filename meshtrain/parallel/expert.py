@@ -6,22 +6,36 @@ tokens are split over: each device sorts and sends only its own tokens, where an
 would gather the tokens of its group and repeat the whole exchange on every member. The collectives
 run over ep only. Experts are laid out by rank: ep rank r holds experts [r·X/ep, (r+1)·X/ep).
 
-Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 1, top-2:
+Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 1, top-2, two ways
+(`moe.dispatch`; meshtrain/resolve.py picks allgather whenever top-k >= 2):
 
     rank 0: a→e0,e2  b→e1,e3  c→e0,e3           rank 1: d→e1,e3  e→e2,e0  f→e2,e3
+
+  allgather (tokens in, partial outputs out; Megatron's allgather dispatcher)
+ 1  all_gather over ep of the tokens, their experts and weights: both ranks hold a b c d e f
+ 2  the ep·N·k assignments sorted with mine first, by local expert:
+    rank 0: e0 [a c e] e1 [b d] | the rest      rank 1: e2 [a e f] e3 [b c d f] | the rest
+ 3  the grouped GEMMs over my groups (the rest past their end: the kernel writes zeros there)
+ 4  unsorted, combined over my experts only: partial y[t] for all six tokens, fp32
+ 5  psum_scatter over ep: each token's partials summed, each rank given back its own tokens
+
+  padded (all-to-all)
  1  its N·k assignments sorted by expert (stable argsort; xY = token x for expert eY):
     [a0 c0 b1 | a2 b3 c3]                       [e0 d1 | e2 f2 d3 f3]
  2  counts per (destination rank, local expert), all_to_all of an int32 [ep, X/ep]
- 3  the rows to their experts' ranks:
-      ragged   jax.lax.ragged_all_to_all sends exactly the rows (offsets from the counts)
-      padded   a [ep, N·k, D] buffer, one slot row per possible row, moved by all_to_all
-      local    ep = 1: nothing moves
-    rank 0 receives [a0 c0 b1 | e0 d1]          rank 1 receives [a2 b3 c3 | e2 f2 d3 f3]
+ 3  the rows to their experts' ranks in an [ep, N·k, D] buffer, one slot row per possible row
+    (ep = 1: nothing moves): rank 0 receives [a0 c0 b1 | e0 d1], rank 1 [a2 b3 c3 | e2 f2 d3 f3]
  4  received rows regrouped by local expert (argsort): e0 [a c e] e1 [b d] | e2 [a e f] e3 [b c d f];
-    the SwiGLU as three grouped matmuls, the rows of local expert x times W[x] (`moe.grouped_matmul`:
-    jax.lax.ragged_dot, or the Pallas gmm kernel; XLA lowers ragged_dot on GPUs to a dense dot over all
-    local experts, X/ep times the FLOPs and an [X/ep, rows, D] buffer)
- 5  results back by the reverse exchange, unsorted, combined: y[t] = Σ_j weight[t, j] · out[t, j]
+    the grouped GEMMs
+ 5  results back by the reverse all_to_all, unsorted, combined: y[t] = Σ_j weight[t, j] · out[t, j]
+
+Bytes per rank and direction, in units of (ep - 1)·N·D: allgather 3 (bf16 in, fp32 out), padded 2·k.
+(A ragged all-to-all would move 2·k/ep, but XLA's GPU ragged all-to-all ran 10x slower than the padded one
+with ep = 2 and its gradients disagreed with the padded exchange's, so it is not offered.)
+The SwiGLU is three grouped matmuls, the rows of local expert x times W[x] (`moe.grouped_matmul`:
+jax.lax.ragged_dot, or the Pallas gmm kernel; XLA lowers ragged_dot on GPUs to a dense dot over all
+local experts, X/ep times the FLOPs and an [X/ep, rows, D] buffer). Every row movement is a
+`gather_rows` with its inverse map, so the backward pass gathers too instead of scatter-adding.
 
 Capacity (GShard, capacity_factor > 0): each (source device, expert) pair has C = ceil(cf·N·k/X) slots,
 filled in priority order: every token's first choice, then every second choice, and so on. Overflow is
@@ -44,6 +58,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
+from meshtrain.parallel.gather_rows import gather_rows
 from meshtrain.precision import Precision
 from meshtrain.sharding import ShardingRules, only_axes
 
@@ -64,7 +79,7 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
             capacity_factor: float, exchange: str, grouped_matmul: str = "ragged_dot", compute_fp32: bool = False
             ) -> tuple[jax.Array, jax.Array]:
     """Routed experts' SwiGLU, combined with the router weights: (y [B, T, D], kept [B, T, K] fp32).
-    exchange: ragged or padded (the dropless all-to-all over ep); grouped_matmul: ragged_dot or pallas;
+    exchange: allgather or padded (the dropless exchange over ep); grouped_matmul: ragged_dot or pallas;
     compute_fp32: run the region in fp32 whatever the policy (Execution.moe_fp32)."""
     axes = token_axes(rules)
     ep = rules.mesh.shape["ep"]
@@ -91,17 +106,23 @@ def _local_moe(x_btd, experts_btk, weights_btk, w_gate_xdf, w_up_xdf, w_down_xfd
                capacity_factor, exchange, gemm, tp_specs):
     b, t, d = x_btd.shape
     k = experts_btk.shape[-1]
-    x_nd, e_nk = x_btd.reshape(b * t, d), experts_btk.reshape(b * t, k)
+    x_nd, e_nk, w_nk = x_btd.reshape(b * t, d), experts_btk.reshape(b * t, k), weights_btk.reshape(b * t, k)
     args = dict(w_gate_xdf=w_gate_xdf, w_up_xdf=w_up_xdf, w_down_xfd=w_down_xfd, policy=policy, gemm=gemm)
     ffn = partial(_swiglu, **args) if tp_specs is None else partial(_swiglu_tp, w_specs=tp_specs, **args)
     if capacity_factor > 0:
         out_nkd, kept_nk = _capacity(x_nd, e_nk, ffn, ep=ep, n_experts=n_experts, capacity_factor=capacity_factor)
+        y_nd = _combine(w_nk * kept_nk, out_nkd)
+    elif exchange == "allgather":
+        y_nd, kept_nk = _allgather(x_nd, e_nk, w_nk, ffn, ep=ep, n_experts=n_experts), jnp.ones_like(w_nk)
     else:
-        out_nkd = _dropless(x_nd, e_nk, ffn, ep=ep, n_experts=n_experts, exchange=exchange)
-        kept_nk = jnp.ones(e_nk.shape, jnp.float32)
-    w_nk = weights_btk.reshape(b * t, k) * kept_nk
-    y_nd = jnp.einsum("nk,nkd->nd", w_nk, out_nkd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        y_nd = _combine(w_nk, _dropless(x_nd, e_nk, ffn, ep=ep, n_experts=n_experts, exchange=exchange))
+        kept_nk = jnp.ones_like(w_nk)
     return y_nd.astype(x_btd.dtype).reshape(b, t, d), kept_nk.reshape(b, t, k)
+
+
+def _combine(w_nk, out_nkd):
+    """y[t] = Σ_j w[t, j] · out[t, j], in fp32."""
+    return jnp.einsum("nk,nkd->nd", w_nk, out_nkd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy: Precision, gemm: str):
@@ -141,6 +162,7 @@ def _exclusive_cumsum(x, axis=0):
 
 
 def _dropless(x_nd, e_nk, ffn, *, ep, n_experts, exchange):
+    """The experts' outputs [N, K, D] of every assignment, through the padded all-to-all (or locally)."""
     n, k = e_nk.shape
     a = n * k
     per_rank = n_experts // ep
@@ -151,38 +173,22 @@ def _dropless(x_nd, e_nk, ffn, *, ep, n_experts, exchange):
     send_r = counts_rl.sum(axis=1)
 
     if exchange == "local":
-        rows_ad = x_nd[order_a // k]
-        out_ad = ffn(rows_ad, counts_rl[0])
-        return out_ad[inverse_a].reshape(n, k, -1)
+        out_ad = ffn(gather_rows(x_nd, order_a, inverse_a, k), counts_rl[0])
+        return gather_rows(out_ad, inverse_a, order_a, 1).reshape(n, k, -1)
 
     # 2: what each source sends to me, per local expert.
     recv_sl = jax.lax.all_to_all(counts_rl, "ep", 0, 0, tiled=True)
-    recv_s = recv_sl.sum(axis=1)
-    if exchange == "ragged":
-        sizes_sr = jax.lax.all_gather(send_r, "ep")  # [source, destination] row counts, the same on every rank
-        me = jax.lax.axis_index("ep")
-        send_offsets_r = _exclusive_cumsum(send_r)
-        # Where my chunk lands in each destination's buffer: after the chunks of lower-ranked sources.
-        land_offsets_r = _exclusive_cumsum(sizes_sr, axis=0)[me]
-        recv_offsets_s = _exclusive_cumsum(recv_s)
-        back_offsets_s = _exclusive_cumsum(sizes_sr, axis=1)[:, me]  # my results' place in each source's rows
-        rows_ad = x_nd[order_a // k]
-        buf_rd = jax.lax.ragged_all_to_all(rows_ad, jnp.zeros((ep * a, x_nd.shape[1]), x_nd.dtype), send_offsets_r,
-                                           send_r, land_offsets_r, recv_s, axis_name="ep")
-        out_rd = _local_experts(buf_rd, recv_sl, recv_offsets_s, ffn)
-        out_ad = jax.lax.ragged_all_to_all(out_rd, jnp.zeros((a, out_rd.shape[1]), out_rd.dtype), recv_offsets_s,
-                                           recv_s, back_offsets_s, send_r, axis_name="ep")
-        return out_ad[inverse_a].reshape(n, k, -1)
-
-    # padded: sorted row i goes to slot (rank, i - first row for that rank) of an [ep, a] buffer.
+    # 3: sorted row i goes to slot (rank, i - first row for that rank) of an [ep, a] buffer.
     rank_a = e_a[order_a] // per_rank
-    slot_a = rank_a * a + jnp.arange(a) - _exclusive_cumsum(send_r)[rank_a]
-    filled_by = jnp.full((ep * a,), -1, jnp.int32).at[slot_a].set(order_a.astype(jnp.int32), unique_indices=True)
-    send_rd = jnp.where(filled_by[:, None] >= 0, x_nd[jnp.maximum(filled_by, 0) // k], 0)
+    slot_of_sorted_a = rank_a * a + jnp.arange(a) - _exclusive_cumsum(send_r)[rank_a]
+    slot_a = slot_of_sorted_a[inverse_a]  # assignment i's slot
+    filled_by = jnp.full((ep * a,), a, jnp.int32).at[slot_a].set(jnp.arange(a, dtype=jnp.int32),
+                                                                 unique_indices=True)  # a: an empty slot
+    send_rd = gather_rows(x_nd, filled_by, slot_a, k)
     buf_rd = _to_ranks(send_rd.reshape(ep, a, -1), ep).reshape(ep * a, -1)
     out_rd = _local_experts(buf_rd, recv_sl, jnp.arange(ep, dtype=jnp.int32) * a, ffn)
     back_rd = _to_ranks(out_rd.reshape(ep, a, -1), ep).reshape(ep * a, -1)
-    return back_rd[slot_a][inverse_a].reshape(n, k, -1)
+    return gather_rows(back_rd, slot_a, filled_by, 1).reshape(n, k, -1)
 
 
 def _local_experts(buf_rd, recv_sl, offsets_s, ffn):
@@ -195,8 +201,38 @@ def _local_experts(buf_rd, recv_sl, offsets_s, ffn):
     ends_rl = jnp.cumsum(recv_sl, axis=1)[src_r]  # [R, X/ep] row ends of each local expert in that source
     expert_r = jnp.sum(within_r[:, None] >= ends_rl, axis=1)  # per_rank: past the source's rows (padding)
     perm_r = jnp.argsort(expert_r, stable=True)  # grouped by local expert, padding last
-    out_rd = ffn(buf_rd[perm_r], recv_sl.sum(axis=0))
-    return out_rd[jnp.argsort(perm_r)]
+    inverse_r = jnp.argsort(perm_r)
+    out_rd = ffn(gather_rows(buf_rd, perm_r, inverse_r, 1), recv_sl.sum(axis=0))
+    return gather_rows(out_rd, inverse_r, perm_r, 1)
+
+
+# ------------------------------------------------------------------------------------------ all-gather
+
+
+def _allgather(x_nd, e_nk, w_nk, ffn, *, ep, n_experts):
+    """Dropless by all-gather (Megatron's allgather dispatcher): every rank gathers the tokens of its ep
+    group, runs its own experts on the assignments that chose them, combines, and a reduce-scatter sums
+    each token's partial outputs over the ranks and hands every rank back its own tokens -> y [N, D] fp32.
+
+    Per rank it moves (ep - 1)·N·D rows in (bf16) and (ep - 1)·N·D out (fp32), where the all-to-alls move
+    (ep - 1)/ep·N·K·D each way (ragged; the padded buffer moves K·N·D to every peer): fewer bytes whenever
+    top-k > ep·3/2, and no ragged collective. The local buffer holds all ep·N·K assignments, those of
+    other ranks' experts sorted past the end of the groups, where the grouped GEMM writes zeros."""
+    n, k = e_nk.shape
+    per_rank = n_experts // ep
+    x_md = jax.lax.all_gather(x_nd, "ep", tiled=True)  # m = ep·n: the group's tokens, rank by rank
+    e_mk = jax.lax.all_gather(e_nk, "ep", tiled=True)
+    w_mk = jax.lax.all_gather(w_nk, "ep", tiled=True)
+    local_b = e_mk.reshape(-1) - jax.lax.axis_index("ep") * per_rank  # b = m·k assignments
+    mine_b = (local_b >= 0) & (local_b < per_rank)
+    key_b = jnp.where(mine_b, local_b, per_rank)  # other ranks' experts sort last
+    order_b = jnp.argsort(key_b, stable=True)
+    inverse_b = jnp.argsort(order_b)
+    sizes_l = jnp.bincount(key_b, length=per_rank + 1)[:per_rank].astype(jnp.int32)
+    out_bd = ffn(gather_rows(x_md, order_b, inverse_b, k), sizes_l)
+    out_mkd = gather_rows(out_bd, inverse_b, order_b, 1).reshape(ep * n, k, -1)
+    y_md = _combine(jnp.where(mine_b.reshape(ep * n, k), w_mk, 0.0), out_mkd)
+    return jax.lax.psum_scatter(y_md, "ep", scatter_dimension=0, tiled=True)
 
 
 # ------------------------------------------------------------------------------------------ capacity
@@ -217,18 +253,17 @@ def _capacity(x_nd, e_nk, ffn, *, ep, n_experts, capacity_factor):
     before_knx = jnp.cumsum(onehot_knx.reshape(k * n, n_experts), axis=0).reshape(k, n, n_experts) - onehot_knx
     pos_kn = jnp.sum(before_knx * onehot_knx, axis=-1)
     kept_kn = pos_kn < c
-    slot_kn = jnp.where(kept_kn, e_kn * c + pos_kn, n_experts * c)  # n_experts * c: nowhere
-    token_kn = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (k, n))
-    filled_by = jnp.full((n_experts * c,), -1, jnp.int32).at[slot_kn.reshape(-1)].set(token_kn.reshape(-1),
-                                                                                      mode="drop")
-    send_xcd = jnp.where(filled_by[:, None] >= 0, x_nd[jnp.maximum(filled_by, 0)], 0).reshape(n_experts, c, -1)
+    slot_a = jnp.where(kept_kn, e_kn * c + pos_kn, n_experts * c).T.reshape(n * k)  # X·c: nowhere
+    filled_by = jnp.full((n_experts * c,), n * k, jnp.int32).at[slot_a].set(jnp.arange(n * k, dtype=jnp.int32),
+                                                                            mode="drop")  # n·k: an empty slot
+    send_xcd = gather_rows(x_nd, filled_by, slot_a, k).reshape(n_experts, c, -1)
     recv_sxcd = _to_ranks(send_xcd.reshape(ep, per_rank, c, -1), ep)  # [source, local expert, slot, D]
     rows_rd = jnp.swapaxes(recv_sxcd, 0, 1).reshape(per_rank * ep * c, -1)  # grouped by local expert
     out_rd = ffn(rows_rd, jnp.full((per_rank,), ep * c, jnp.int32))
     out_sxcd = jnp.swapaxes(out_rd.reshape(per_rank, ep, c, -1), 0, 1)
     back_xcd = _to_ranks(out_sxcd, ep).reshape(n_experts * c, -1)
-    out_knd = jnp.where(kept_kn[..., None], back_xcd[jnp.minimum(slot_kn, n_experts * c - 1)], 0)
-    return jnp.swapaxes(out_knd, 0, 1), kept_kn.T.astype(jnp.float32)
+    out_nkd = gather_rows(back_xcd, slot_a, filled_by, 1).reshape(n, k, -1)  # a dropped assignment reads 0
+    return out_nkd, kept_kn.T.astype(jnp.float32)
 
 
 def _to_ranks(x_r, ep):

@@ -21,12 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps in the trace (default: from its step markers)")
     p.add_argument("--program", metavar="HLO", default=None, help="the traced program's optimized HLO text "
                    f"(default: {PROGRAM_FILE} beside the trace), to find the optimizer's kernels")
+    p.add_argument("--top", type=int, default=10, help="kernels listed by self time (default 10)")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps {args.steps}: must be >= 1")
     try:
         program = Path(args.program).read_text() if args.program else None
-        report = profile_report(args.trace, args.steps, program=program)
+        report = profile_report(args.trace, args.steps, top_kernels=args.top, program=program)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
