@@ -11,7 +11,7 @@ step, the memory guard, the planner and the inspector. Nothing below this module
     attention_kernel mosaic | triton | ""            the Pallas attention's kernels (auto: Mosaic where it
                                                      can run, Triton elsewhere); "" unless attention=pallas
     interpret        the Pallas kernels run in interpret mode (CPU: tests)
-    moe_exchange     allgather | padded | ""         dropless exchange over ep (auto: allgather for top-k >= 2)
+    moe_exchange     allgather | padded | ""         dropless exchange over ep (auto: allgather)
     moe_gemm         ragged_dot | pallas | ""        expert GEMMs (auto: the Pallas kernel on GPUs)
     moe_fp32         XLA:CPU cannot compile the bf16 expert region on several devices: CPUs run it in fp32
     tp_ring          tensor parallelism's matmuls run as shard_map rings (parallel.tp_overlap)
@@ -108,7 +108,7 @@ def resolve(cfg: Config, degrees: Mapping[str, int], backend: str, *, packages_h
     return Execution(
         backend=backend, attention=attention, attention_kernel=kernel, interpret=interpret, norm=m.norm, loss=m.loss,
         cp_impl=cfg.parallel.cp_impl, cp_layout=cfg.parallel.cp_layout, sequence_sharded=sequence_sharded,
-        tp_ring=tp_ring, moe_exchange=_moe_exchange(moe.dispatch, moe.top_k, backend) if experts else "",
+        tp_ring=tp_ring, moe_exchange=_moe_exchange(moe.dispatch) if experts else "",
         moe_gemm=_moe_gemm(moe.grouped_matmul, backend) if experts else "",
         moe_fp32=experts and backend == "cpu" and compute != jnp.float32,
         pipeline=pipeline, vocab_padded=padded_vocab(m, degrees["tp"]))
@@ -153,11 +153,10 @@ def _triton_installed(interpret: bool, what: str) -> str:
     return "triton"
 
 
-def _moe_exchange(dispatch: str, top_k: int, backend: str) -> str:
+def _moe_exchange(dispatch: str) -> str:
     if dispatch == "auto":
-        # Bytes per rank and direction, over (ep - 1)·tokens·d_model: allgather 3 (bf16 in, fp32 out), padded
-        # 2·top_k (parallel/expert.py).
-        return "allgather" if top_k >= 2 else "padded"
+        # Bytes per rank, over (ep - 1)·tokens·d_model: allgather 2, padded 2·top_k (parallel/expert.py).
+        return "allgather"
     return dispatch
 
 

@@ -1,11 +1,14 @@
-"""An MoE model over expert parallelism computes what one device computes (fp32, dropless): losses of
-3 steps to rtol 1e-5, first-step gradients to 1e-5 of each tensor's largest entry.
+"""An MoE model over expert parallelism, alone and with the sequence split over cp or sp, computes what one
+device computes (fp32, dropless): losses of 3 steps to rtol 1e-5, first-step gradients to 1e-5 of each
+tensor's largest entry.
 
 One model covers the cases together, to keep compilations few: 4 layers with an MoE FFN in every
 second one (`moe.every=2`: a scan over groups of a dense and an MoE block), a shared expert, the
-auxiliary and z losses on, and 2 accumulated microbatches. The single device runs the experts
-without any exchange; the layouts run the padded all-to-all (the CPU backend has no ragged one).
-Capacity mode is not compared: its capacity is per device, so the dropped set depends on the layout.
+auxiliary and z losses on, documents masked, and 2 accumulated microbatches. The single device runs the
+experts without any exchange; the layouts run the all-gather exchange (`moe.dispatch=auto`), one the padded
+all-to-all. Capacity mode is compared with room for every token (capacity_factor = experts / top-k: an
+expert can take all of a device's tokens): its capacity is per device, so with drops the dropped set
+would depend on the layout.
 """
 import jax
 import numpy as np
@@ -16,12 +19,16 @@ from meshtrain.step.accumulate import make_grad_fn
 from meshtrain.step.state import init_state, make_batches
 from meshtrain.step.train_step import make_train_step
 
+EOS = 71  # the synthetic corpus's most frequent token: a third of the rows hold a document boundary
 MOE = ["model.n_layers=4", "moe.n_experts=8", "moe.top_k=2", "moe.d_ff_expert=32", "moe.every=2", "moe.n_shared=1",
-       "moe.aux_loss_coef=0.1", "moe.z_loss_coef=0.01", "train.grad_accum=2"]
+       "moe.aux_loss_coef=0.1", "moe.z_loss_coef=0.01", "train.grad_accum=2", "data.document_mask=true",
+       f"data.eos_id={EOS}"]
 LAYOUTS = {
-    "ep2_dp4": ["mesh.ep=2", "mesh.dp=4", "mesh.fsdp=1"],
+    "ep2_cp2_dp2": ["mesh.ep=2", "mesh.cp=2", "mesh.dp=2", "mesh.fsdp=1"],
+    "ep2_cp2_dp2_capacity": ["mesh.ep=2", "mesh.cp=2", "mesh.dp=2", "mesh.fsdp=1", "moe.capacity_factor=4.0"],
+    "ep2_sp2_tp2_padded": ["mesh.ep=2", "mesh.sp=2", "mesh.tp=2", "mesh.fsdp=1", "moe.dispatch=padded"],
     "ep2_fsdp2_tp2_zero3": ["mesh.ep=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"],
-    "ep4_dp2": ["mesh.ep=4", "mesh.dp=2", "mesh.fsdp=1"],
+    "ep4_cp2": ["mesh.ep=4", "mesh.cp=2", "mesh.fsdp=1"],
     "ep8": ["mesh.ep=8", "mesh.fsdp=1"],
 }
 STEPS = 3

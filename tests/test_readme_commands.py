@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers_env import CPU_COMPILE_FLAGS
 from meshtrain.launch import on_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +62,9 @@ def scratch(tmp: Path) -> Path:
 @pytest.mark.skipif(not on_cpu(), reason="the CPU walk-through; the GPU commands are the GPU's")
 def test_every_readme_command_works_as_written(tmp_path):
     cwd = scratch(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each command sets its own devices
+    # Each command sets its own devices; all of them compile as the suite does (a command that sets XLA_FLAGS
+    # itself replaces this).
+    env = {**os.environ, "XLA_FLAGS": CPU_COMPILE_FLAGS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     ran = []
     for cmd in readme_commands():

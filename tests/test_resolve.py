@@ -71,7 +71,6 @@ def test_the_decisions_on_a_gpu(monkeypatch):
     assert on_gpu("model.attention=pallas", "model.attention_kernel=triton").attention_kernel == "triton"
     moe = on_gpu("model.preset=tiny_moe", ep=2)
     assert (moe.moe_exchange, moe.moe_gemm, moe.moe_fp32) == ("allgather", "pallas", False)
-    assert on_gpu("model.preset=tiny_moe", "moe.top_k=1", ep=2).moe_exchange == "padded"
     assert on_gpu("parallel.tp_overlap=collective_matmul", tp=2).tp_ring
     assert not on_gpu("parallel.tp_overlap=collective_matmul").tp_ring  # tp = 1: nothing to overlap
     cpu = resolve(tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16"),

@@ -115,7 +115,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch/GShard form), per MoE layer
     z_loss_coef: float = 0.001  # router z-loss (ST-MoE), per MoE layer
     # The dropless exchange over ep (parallel/expert.py): allgather (tokens in, partial outputs reduce-scattered
-    # out) or the padded all-to-all; auto: allgather for top_k >= 2, else padded (meshtrain/resolve.py)
+    # out) or the padded all-to-all; auto: allgather (fewer bytes: meshtrain/resolve.py)
     dispatch: Literal["auto", "allgather", "padded"] = "auto"
     # The experts' grouped GEMMs; auto: pallas on GPUs (XLA's GPU ragged_dot is a dense dot over all experts).
     grouped_matmul: Literal["auto", "ragged_dot", "pallas"] = "auto"

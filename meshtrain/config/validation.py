@@ -192,9 +192,6 @@ def moe_problems(cfg: Config, degrees: dict[str, int] | None, tp: int) -> list[s
         checks += [
             (degrees["pp"] == 1, f"mesh.pp={degrees['pp']} with moe.n_experts={e.n_experts}: MoE layers do not "
                                  f"run under pipeline parallelism yet; set mesh.pp=1 (use ep/fsdp) or moe.n_experts=0"),
-            (degrees["cp"] * degrees["sp"] == 1,
-             f"mesh.cp={degrees['cp']}, mesh.sp={degrees['sp']} with moe.n_experts={e.n_experts}: the expert exchange "
-             f"and the sequence split are not composed yet; set mesh.cp=mesh.sp=1 or moe.n_experts=0"),
         ]
     return failed(checks)
 

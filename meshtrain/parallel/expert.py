@@ -1,13 +1,15 @@
 """Expert dispatch: every token's rows go to its experts' devices, through the experts, and back.
 
-Manual over the token axes (the mesh axes of the `batch` rule: dp, fsdp and ep), automatic over the
-rest (tp splits each expert's hidden width, as in a dense FFN). The dispatch has to own every axis the
-tokens are split over: each device sorts and sends only its own tokens, where an automatic dp/fsdp
-would gather the tokens of its group and repeat the whole exchange on every member. The collectives
+Manual over the token axes (the batch's dp, fsdp and ep, and the sequence's cp and sp), automatic over
+the rest (tp splits each expert's hidden width, as in a dense FFN). The dispatch has to own every axis
+the tokens are split over: each device sorts and sends only its own tokens (a sequence shard's, under
+cp/sp), where an automatic axis would gather the tokens of its group and repeat the whole exchange on
+every member. The router's statistics (aux losses) are taken outside, over all tokens, so they do not
+depend on the split. The collectives
 run over ep only. Experts are laid out by rank: ep rank r holds experts [r·X/ep, (r+1)·X/ep).
 
 Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 1, top-2, two ways
-(`moe.dispatch`; meshtrain/resolve.py picks allgather whenever top-k >= 2):
+(`moe.dispatch`; `auto` is allgather):
 
     rank 0: a→e0,e2  b→e1,e3  c→e0,e3           rank 1: d→e1,e3  e→e2,e0  f→e2,e3
 
@@ -16,7 +18,7 @@ Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 
  2  the ep·N·k assignments sorted with mine first, by local expert:
     rank 0: e0 [a c e] e1 [b d] | the rest      rank 1: e2 [a e f] e3 [b c d f] | the rest
  3  the grouped GEMMs over my groups (the rest past their end: the kernel writes zeros there)
- 4  unsorted, combined over my experts only: partial y[t] for all six tokens, fp32
+ 4  unsorted, combined over my experts only: partial y[t] for all six tokens
  5  psum_scatter over ep: each token's partials summed, each rank given back its own tokens
 
   padded (all-to-all)
@@ -29,7 +31,7 @@ Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 
     the grouped GEMMs
  5  results back by the reverse all_to_all, unsorted, combined: y[t] = Σ_j weight[t, j] · out[t, j]
 
-Bytes per rank and direction, in units of (ep - 1)·N·D: allgather 3 (bf16 in, fp32 out), padded 2·k.
+Bytes per rank, in units of (ep - 1)·N·D·bytes(dtype): allgather 2 (tokens in, partial outputs out), padded 2·k.
 (A ragged all-to-all would move 2·k/ep, but XLA's GPU ragged all-to-all ran 10x slower than the padded one
 with ep = 2 and its gradients disagreed with the padded exchange's, so it is not offered.)
 The SwiGLU is three grouped matmuls, the rows of local expert x times W[x] (`moe.grouped_matmul`:
@@ -68,10 +70,14 @@ W_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, D, F]
 W_OUT = ("experts", "mlp", "embed")  # w_down [X, F, D]
 
 
+# The tokens as the block holds them [B, T, ...]: the batch over dp/fsdp/ep, the sequence over cp/sp.
+TOKENS = ("batch", "act_seq")
+
+
 def token_axes(rules: ShardingRules) -> tuple[str, ...]:
-    """The mesh axes the token (batch) dimension is split over."""
-    axes = rules.spec(("batch",))[0]
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    """The mesh axes the tokens are split over (batch and sequence)."""
+    return tuple(a for part in rules.spec(TOKENS) if part is not None
+                 for a in ((part,) if isinstance(part, str) else part))
 
 
 def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_gate_xdf: jax.Array,
@@ -85,7 +91,7 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
     ep = rules.mesh.shape["ep"]
     n_experts = w_gate_xdf.shape[0]
     # Partial specs, only the manual axes may be named: tokens as the batch, expert weights by expert alone.
-    tokens, weights = rules.spec(("batch",)), only_axes(rules.spec(("experts",)), set(axes))
+    tokens, weights = rules.spec(TOKENS), only_axes(rules.spec(("experts",)), set(axes))
     out_dtype = x_btd.dtype
     if compute_fp32 and not policy.is_fp32:
         # XLA:CPU (jax 0.10) aborts compiling the bf16 version of this region on more than one device
@@ -212,12 +218,13 @@ def _local_experts(buf_rd, recv_sl, offsets_s, ffn):
 def _allgather(x_nd, e_nk, w_nk, ffn, *, ep, n_experts):
     """Dropless by all-gather (Megatron's allgather dispatcher): every rank gathers the tokens of its ep
     group, runs its own experts on the assignments that chose them, combines, and a reduce-scatter sums
-    each token's partial outputs over the ranks and hands every rank back its own tokens -> y [N, D] fp32.
+    each token's partial outputs over the ranks and hands every rank back its own tokens -> y [N, D].
 
-    Per rank it moves (ep - 1)·N·D rows in (bf16) and (ep - 1)·N·D out (fp32), where the all-to-alls move
-    (ep - 1)/ep·N·K·D each way (ragged; the padded buffer moves K·N·D to every peer): fewer bytes whenever
-    top-k > ep·3/2, and no ragged collective. The local buffer holds all ep·N·K assignments, those of
-    other ranks' experts sorted past the end of the groups, where the grouped GEMM writes zeros."""
+    Per rank it moves (ep - 1)·N·D rows in and as many out, where the padded all-to-all moves K·N·D to every
+    peer and back. The partial outputs are reduced in the compute dtype (in bf16 one more rounding of a sum
+    of ep terms, as in Megatron's tensor-parallel reduce-scatter; fp32 doubled the reduce-scatter's time on
+    H100s). The local buffer holds all ep·N·K assignments, those of other ranks' experts sorted past the
+    end of the groups, where the grouped GEMM writes zeros."""
     n, k = e_nk.shape
     per_rank = n_experts // ep
     x_md = jax.lax.all_gather(x_nd, "ep", tiled=True)  # m = ep·n: the group's tokens, rank by rank
@@ -231,7 +238,7 @@ def _allgather(x_nd, e_nk, w_nk, ffn, *, ep, n_experts):
     sizes_l = jnp.bincount(key_b, length=per_rank + 1)[:per_rank].astype(jnp.int32)
     out_bd = ffn(gather_rows(x_md, order_b, inverse_b, k), sizes_l)
     out_mkd = gather_rows(out_bd, inverse_b, order_b, 1).reshape(ep * n, k, -1)
-    y_md = _combine(jnp.where(mine_b.reshape(ep * n, k), w_mk, 0.0), out_mkd)
+    y_md = _combine(jnp.where(mine_b.reshape(ep * n, k), w_mk, 0.0), out_mkd).astype(x_nd.dtype)
     return jax.lax.psum_scatter(y_md, "ep", scatter_dimension=0, tiled=True)
 
 
