@@ -131,7 +131,7 @@ def time_single_device(setup, a):
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
             lp = jax.tree.map(lambda arr: arr[:k], params["layers"])
-            ops, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
+            ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
             kind, pos = key
             kept = []  # what a B or W spends: the stash its chunk's F fills
             if kind != F and pos != LAST:

@@ -402,10 +402,11 @@ def test_cli_print_config_reflects_overrides_and_round_trips(tmp_path):
     assert again.returncode == 0 and again.stdout == r.stdout
 
 
-def test_moe_under_pipeline_is_refused():
-    """MoE layers do not run under pp: the pipeline stages build dense blocks."""
-    problems = problems_of(["model.preset=tiny_moe", "mesh.pp=2", "mesh.fsdp=4", "train.grad_accum=2"])
-    assert any("mesh.pp=2" in p and "moe.n_experts=8" in p and "mesh.pp=1" in p for p in problems), problems
+def test_moe_under_pipeline_needs_whole_groups_per_chunk():
+    """With moe.every > 1 a pipeline chunk runs whole groups of `every` blocks (the scan's unit)."""
+    problems = problems_of(["model.preset=tiny_moe", "moe.every=2", "mesh.pp=2", "mesh.fsdp=4", "train.grad_accum=2"])
+    assert any("moe.every=2: must divide the layers per pipeline chunk" in p and "= 1" in p for p in problems), problems
+    assert not problems_of(["model.preset=tiny_moe", "mesh.pp=2", "mesh.fsdp=4", "train.grad_accum=2"])
 
 
 def test_moe_presets_fill_the_moe_section():

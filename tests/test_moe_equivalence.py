@@ -1,5 +1,5 @@
-"""An MoE model over expert parallelism, alone and with the sequence split over cp or sp, computes what one
-device computes (fp32, dropless): losses of 3 steps to rtol 1e-5, first-step gradients to 1e-5 of each
+"""An MoE model over expert parallelism, alone, with the sequence split over cp or sp, and in pipeline
+stages, computes what one device computes (fp32, dropless): losses of 3 steps to rtol 1e-5, first-step gradients to 1e-5 of each
 tensor's largest entry.
 
 One model covers the cases together, to keep compilations few: 4 layers with an MoE FFN in every
@@ -30,6 +30,9 @@ LAYOUTS = {
     "ep2_fsdp2_tp2_zero3": ["mesh.ep=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"],
     "ep4_cp2": ["mesh.ep=4", "mesh.cp=2", "mesh.fsdp=1"],
     "ep8": ["mesh.ep=8", "mesh.fsdp=1"],
+    # the experts inside pipeline stages (1F1B): each chunk's aux losses and metrics join the step's
+    "pp2_ep2_tp2": ["mesh.pp=2", "mesh.ep=2", "mesh.tp=2", "mesh.fsdp=1"],
+    "pp2_ep2_tp2_capacity": ["mesh.pp=2", "mesh.ep=2", "mesh.tp=2", "mesh.fsdp=1", "moe.capacity_factor=4.0"],
 }
 STEPS = 3
 

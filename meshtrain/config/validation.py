@@ -188,11 +188,6 @@ def moe_problems(cfg: Config, degrees: dict[str, int] | None, tp: int) -> list[s
         (e.n_experts % ep == 0, f"moe.n_experts={e.n_experts}: must be divisible by mesh.ep={ep} (each ep "
                                 f"rank holds n_experts/ep experts)"),
     ]
-    if degrees:
-        checks += [
-            (degrees["pp"] == 1, f"mesh.pp={degrees['pp']} with moe.n_experts={e.n_experts}: MoE layers do not "
-                                 f"run under pipeline parallelism yet; set mesh.pp=1 (use ep/fsdp) or moe.n_experts=0"),
-        ]
     return failed(checks)
 
 
@@ -236,6 +231,10 @@ def pipeline_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
         problems.append(f"model.n_layers={m.n_layers}: must be divisible by mesh.pp*pipeline.virtual_stages = "
                         f"{pp}*{pl.virtual_stages} = {chunks} (each stage runs whole layers); change the layer "
                         f"count, mesh.pp or pipeline.virtual_stages")
+    elif cfg.moe.enabled and pl.virtual_stages >= 1 and (m.n_layers // chunks) % cfg.moe.every:
+        problems.append(f"moe.every={cfg.moe.every}: must divide the layers per pipeline chunk, model.n_layers/"
+                        f"(mesh.pp*pipeline.virtual_stages) = {m.n_layers // chunks} (a chunk runs whole groups of "
+                        f"a dense and an MoE block); change moe.every, mesh.pp or pipeline.virtual_stages")
     if cfg.precision.matmul == "fp8_delayed":
         problems.append(f"precision.matmul=fp8_delayed with mesh.pp={pp}: the pipeline does not carry the amax "
                         f"histories yet; use precision.matmul=fp8 (current scaling)")

@@ -47,18 +47,33 @@ def cross_entropy(model: Decoder, h_btd: jax.Array, head_dv: jax.Array, targets_
 def objective(ce: jax.Array, n: jax.Array, sown: dict) -> tuple[jax.Array, dict]:
     """(the objective summed over the microbatch's tokens, token-weighted sums to log) from its
     cross-entropy sum, token count and the collections the model sowed."""
-    aux = sum((jnp.sum(x) for x in jax.tree.leaves(sown.get(LOSSES, {}))), jnp.zeros((), jnp.float32))
     logged = {"loss": ce} | {k: v * n for k, v in sown_means(sown.get(METRICS, {})).items()}
-    return ce + aux * n, logged
+    return ce + aux_loss(sown) * n, logged
+
+
+def aux_loss(sown: dict) -> jax.Array:
+    """The sown auxiliary losses, summed (each already a per-token mean times its coefficient)."""
+    return sum((jnp.sum(x) for x in jax.tree.leaves(sown.get(LOSSES, {}))), jnp.zeros((), jnp.float32))
+
+
+def sown_sums(tree: Any) -> dict[str, tuple[jax.Array, int]]:
+    """A sown collection -> {name: (sum over every layer that sowed it, how many layers did)}."""
+    groups: dict[str, list[Any]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+        groups.setdefault(name, []).append(leaf)
+    return {k: (sum((jnp.sum(x) for x in v), jnp.zeros((), jnp.float32)), sum(int(x.size) for x in v))
+            for k, v in groups.items()}
 
 
 def sown_means(tree: Any) -> dict[str, jax.Array]:
     """A sown collection -> {name: mean over every layer that sowed it}."""
-    groups: dict[str, list[jax.Array]] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
-        groups.setdefault(name, []).append(jnp.ravel(leaf))
-    return {k: jnp.mean(jnp.concatenate(v)) for k, v in groups.items()}
+    return {k: total / count for k, (total, count) in sown_sums(tree).items()}
+
+
+def label_count(targets_bt: jax.Array) -> jax.Array:
+    """The labelled tokens of a microbatch (fp32), as the cross-entropy counts them."""
+    return jnp.sum(targets_bt >= 0, dtype=jnp.float32)
 
 
 def loss_sum_fn(model: Decoder) -> LossSum:

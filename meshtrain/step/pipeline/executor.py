@@ -105,16 +105,17 @@ def accumulate_chunk(acc_vk: jax.Array, d_k: jax.Array, chunk: jax.Array) -> jax
 
 
 def make_pipeline_grad_fn(setup: Setup) -> GradFn:
-    """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * loss sum, loss sum,
-    token count, model_state, {"loss": loss sum}), summed over the A microbatches, computed by the
-    pipeline schedule `setup.cfg.pipeline`. The model state passes through unchanged (validate refuses
-    the fp8 recipe that would update it); the loss is the cross-entropy alone (validate refuses MoE,
-    whose auxiliary losses and metrics would join it)."""
+    """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * objective sum,
+    objective sum, token count, model_state, {"loss": cross-entropy sum, sown metrics: token-weighted sums}),
+    summed over the A microbatches, computed by the pipeline schedule `setup.cfg.pipeline`. The model state
+    passes through unchanged (validate refuses the fp8 recipe that would update it)."""
     cfg, mesh, model = setup.cfg, setup.mesh, setup.model
     p, v = mesh.shape["pp"], cfg.pipeline.virtual_stages
     schedule = make_schedule(cfg.pipeline.schedule, p, cfg.train.grad_accum, v)
     ticks = tick_tables(schedule)
-    k = cfg.model.n_layers // (p * v)
+    k = cfg.model.n_layers // (p * v)  # layers per chunk
+    # Rows of the stacked params per chunk: with MoE every `moe.every` layers form one scanned group.
+    rows = k // (cfg.moe.every if cfg.moe.enabled else 1)
     order = stage_order(schedule.kind, p, v)
     inverse = np.argsort(order)
     lane_branches = [_branch_table(ticks, lane) for lane in range(ticks.n_lanes)]
@@ -124,11 +125,11 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # (abstract) mesh, or their transposes in the backward would not match the context.
         rules = dataclasses.replace(model.rules, mesh=jax.sharding.get_abstract_mesh())
         stage = lax.axis_index("pp")
-        layers_vk = jax.tree.map(lambda a: a.reshape(v, k, *a.shape[1:]), layers)
+        layers_vk = jax.tree.map(lambda a: a.reshape(v, rows, *a.shape[1:]), layers)
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
-        ops, stash_of = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
-                                  (index(layers_vk, 0), pool[0], index(batch, 0)))
+        ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
+                                                 (index(layers_vk, 0), pool[0], index(batch, 0)))
         # One [n_stash_slots, ...] buffer per kept leaf of a chunk's pullback.
         stash = [jnp.zeros((max(ticks.n_stash_slots, 1), *a.shape), a.dtype) for a in stash_of.kept]
 
@@ -144,7 +145,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             """The switch branch running ops[kind, pos]: (carry, me) -> (carry, message)."""
 
             def branch(carry, me):
-                pool, stash, g_layers, g_shared, loss, count = carry
+                pool, stash, g_layers, g_shared, sums = carry
                 c = me["chunk"]
                 out = ops[kind, pos](index(layers_vk, c), shared, index(pool, me["x_slot"]),
                                      index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale,
@@ -159,10 +160,11 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                 if out.d_shared is not None:
                     g_shared = lax.with_sharding_constraint(jax.tree.map(jnp.add, g_shared, out.d_shared),
                                                             g_shared_sh)
-                if out.loss is not None:
-                    loss, count = loss + out.loss, count + out.count
+                made = {"loss": out.loss, "count": out.count, "ce": out.ce, **(out.metrics or {})}
+                sums = {name: total + made[name] if made.get(name) is not None else total
+                        for name, total in sums.items()}
                 message = out.message if out.message is not None else jnp.zeros(pool.shape[1:], pool.dtype)
-                return (pool, stash, g_layers, g_shared, loss, count), message
+                return (pool, stash, g_layers, g_shared, sums), message
 
             return branch
 
@@ -194,29 +196,34 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                 pool = lax.dynamic_update_index_in_dim(pool, msg, slot, 0)
             return (pool,) + carry[1:], None
 
-        zero = jnp.zeros((), jnp.float32)
+        # The objective, the labelled tokens, the cross-entropy and each sown metric (token-weighted), summed.
+        sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", "count", "ce", *layers_sowing)}
         carry = (pool, stash, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
-                 lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), zero, zero)
+                 lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
                            "branch": jnp.asarray(branch_of)} for lane, (branch_of, _) in enumerate(lane_branches))
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
-        (_, _, g_layers, g_shared, loss, count), _ = lax.scan(tick, carry, (lane_rows, link_rows))
-        g_layers = jax.tree.map(lambda a: a.reshape(v * k, *a.shape[2:]), g_layers)
+        (_, _, g_layers, g_shared, sums), _ = lax.scan(tick, carry, (lane_rows, link_rows))
+        g_layers = jax.tree.map(lambda a: a.reshape(v * rows, *a.shape[2:]), g_layers)
         with jax.named_scope(TRANSFER_SCOPE):
-            return g_layers, lax.psum(g_shared, "pp"), lax.psum(loss, "pp"), lax.psum(count, "pp")
+            sums = lax.psum(sums, "pp")
+        # A metric's logged value is its mean over the layers that sow it (step/loss.py): p·v chunks of them.
+        logged = {"loss": sums["ce"]} | {name: sums[name] / (n * p * v) for name, n in layers_sowing.items()}
+        with jax.named_scope(TRANSFER_SCOPE):
+            return g_layers, lax.psum(g_shared, "pp"), sums["loss"], sums["count"], logged
 
     program = jax.shard_map(stage_program, mesh=mesh, in_specs=(P("pp"), P(), P(), P()),
-                            out_specs=(P("pp"), P(), P(), P()), axis_names={"pp"}, check_vma=False)
+                            out_specs=(P("pp"), P(), P(), P(), P()), axis_names={"pp"}, check_vma=False)
 
     def grad_fn(params, batch: Batch, scale=1.0, model_state=None):
         shared = {name: sub for name, sub in params.items() if name != "layers"}
         with jax.named_scope(TRANSFER_SCOPE):
             layers = permute_blocks(params["layers"], order)
-        g_layers, g_shared, loss, count = program(layers, shared, batch, jnp.asarray(scale, jnp.float32))
+        g_layers, g_shared, loss, count, logged = program(layers, shared, batch, jnp.asarray(scale, jnp.float32))
         with jax.named_scope(TRANSFER_SCOPE):
             grads = {**g_shared, "layers": permute_blocks(g_layers, inverse)}
         grads = jax.lax.with_sharding_constraint(grads, setup.grad_shardings)
-        return Accumulated(grads, loss, count, model_state or {}, {"loss": loss})
+        return Accumulated(grads, loss, count, model_state or {}, logged)
 
     return grad_fn
 

@@ -10,6 +10,12 @@ norm, head and loss; a middle one reads the previous chunk's output.
     W  dy, the kept pullback ─> dW                           (split backward only)
     the last chunk: F does nothing; B runs chunk, head, loss and the whole backward from its x
 
+MoE layers sow auxiliary losses and router metrics (model/moe.py). A chunk's output is then the pair
+(y, aux): aux the sum of its sown losses, which enters the objective as n·aux (step/loss.py: n labelled
+tokens of the microbatch), so its cotangent at B is scale·n beside dy. F reports n·aux as its share of the
+loss sum and n·(its layers' sum) of every metric; the executor divides the metric sums by the number of
+layers that sow them, as the step without the pipeline takes their mean over layers.
+
 What F keeps is the chunk's jax.vjp pullback (its residuals: what the model's remat policy,
 train.remat, saves of each layer), in the stage's stash (`Stash`); B spends it, as a step without
 the pipeline spends its residuals, so B costs a backward, not a forward and a backward. The last
@@ -31,9 +37,10 @@ import jax
 
 from meshtrain.config import MATMUL_SITES
 from meshtrain.data import Batch
+from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
 from meshtrain.precision import Precision
-from meshtrain.step.loss import cross_entropy, objective
+from meshtrain.step.loss import aux_loss, cross_entropy, label_count, objective, sown_sums
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
 
 
@@ -44,8 +51,10 @@ class OpOut:
     d_layers: Any = None  # gradient of the chunk's layer params
     d_shared: Any = None  # gradient of embedding / final_norm / lm_head (first and last chunks)
     message: jax.Array | None = None  # y (F) or dx (B), for the neighbouring chunk
-    loss: jax.Array | None = None  # loss sum and token count (the last chunk's B)
-    count: jax.Array | None = None
+    loss: jax.Array | None = None  # its share of the objective's sum: n·aux (F), the rest (the last chunk's B)
+    count: jax.Array | None = None  # labelled tokens, the cross-entropy sum, n·metric sums (the last chunk's B)
+    ce: jax.Array | None = None
+    metrics: dict | None = None  # also from F: n·(the chunk's sum of each sown metric)
     kept: list | None = None  # F of a chunk before the last: its pullback's leaves for the stash
 
 
@@ -101,8 +110,9 @@ class Stash:
 
 
 def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, Any, Batch]
-              ) -> tuple[dict[tuple[int, int], OpFn], Stash]:
-    """(kind, position) -> op for chunks of `n_layers` layers, and the stash those ops fill and spend.
+              ) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
+    """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
+    {metric: how many of a chunk's layers sow it}.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch), values or shapes.
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
@@ -110,37 +120,53 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
     stack = decoder.stack(n_layers)
 
     def run(lp, x_btd, mb: Batch):
-        return stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules))[0]
+        """-> (y, the chunk's sown collections)."""
+        (y_btd, _), sown = stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg,
+                                                                       rules), mutable=(LOSSES, METRICS))
+        return y_btd, sown
+
+    def chunk(lp, x_btd, mb: Batch):
+        """((y, the chunk's auxiliary loss), its sown metrics): the differentiated pair, and what is logged."""
+        y_btd, sown = run(lp, x_btd, mb)
+        return (y_btd, aux_loss(sown)), sown
 
     def vjp_chunk(lp, x_btd, mb: Batch):
-        return jax.vjp(lambda lp, x_btd: run(lp, x_btd, mb), lp, x_btd)
+        return jax.vjp(lambda lp, x_btd: chunk(lp, x_btd, mb), lp, x_btd, has_aux=True)
+
+    def logged(sown, n):
+        return {name: n * total for name, (total, _) in sown_sums(sown.get(METRICS, {})).items()}
 
     def embed(sh, mb: Batch):
         return decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed)
 
     def loss_sum(lp, sh, x_btd, mb: Batch, scale):
-        h_btd, head_dv = decoder.apply({"params": sh}, run(lp, x_btd, mb), method=Decoder.head)
+        y_btd, sown = run(lp, x_btd, mb)
+        h_btd, head_dv = decoder.apply({"params": sh}, y_btd, method=Decoder.head)
         ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
-        # No sown collections: validate refuses MoE under pp until the stages carry their aux losses.
-        loss = objective(ce, n, {})[0]
-        return loss * scale, (loss, n)
+        loss = objective(ce, n, sown)[0]
+        return loss * scale, (loss, ce, n, logged(sown, n))
 
     example_lp, example_x, example_mb = example
     stash = Stash.of(vjp_chunk, cast_sites(policy, example_lp), example_x, example_mb)
+    sown_shapes = jax.eval_shape(lambda lp, x, mb: run(lp, x, mb)[1], example_lp, example_x, example_mb)
+    layers_sowing = {name: count for name, (_, count) in sown_sums(sown_shapes.get(METRICS, {})).items()}
 
     def forward(pos: int) -> OpFn:
         def op(lp, sh, x, dy, mb, scale, kept):
             if pos == LAST:
                 return OpOut()  # its B runs it (module docstring)
             x_btd = embed(sh, mb) if pos == FIRST else x
-            y_btd, pullback = vjp_chunk(cast_sites(policy, lp), x_btd, mb)
-            return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.keep(pullback))
+            (y_btd, aux), pullback, sown = vjp_chunk(cast_sites(policy, lp), x_btd, mb)
+            n = label_count(mb.targets)
+            return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.keep(pullback), loss=n * aux,
+                         metrics=logged(sown, n))
         return op
 
     def last_backward(lp, sh, x, dy, mb, scale, kept):
         grad = jax.grad(loss_sum, argnums=(0, 1, 2), has_aux=True)
-        (d_lp, d_sh, dx), (loss, n) = grad(lp, sh, x, mb, scale)
-        return OpOut(d_layers=d_lp, d_shared=d_sh, message=rules.constrain(dx, RESIDUAL), loss=loss, count=n)
+        (d_lp, d_sh, dx), (loss, ce, n, metrics) = grad(lp, sh, x, mb, scale)
+        return OpOut(d_layers=d_lp, d_shared=d_sh, message=rules.constrain(dx, RESIDUAL), loss=loss, count=n, ce=ce,
+                     metrics=metrics)
 
     def backward(kind: int, pos: int) -> OpFn:
         if pos == LAST:  # split or not, B runs the whole last chunk and its W has nothing left to do
@@ -152,7 +178,8 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
             if not (want_w or want_x):  # split B of the first chunk: nobody waits for its input gradient
                 return OpOut()
             # Unused outputs of the pullback (dW at a split B, dx at a W) are dead code to the compiler.
-            d_lp, dx_btd = stash.pullback(kept, cast_sites(policy, lp))(dy)
+            d_aux = scale * label_count(mb.targets)  # the chunk's aux loss enters the objective as n·aux
+            d_lp, dx_btd = stash.pullback(kept, cast_sites(policy, lp))((dy, d_aux))
             d_sh = None
             if want_w and pos == FIRST:
                 d_sh = jax.vjp(lambda sh: embed(sh, mb), sh)[1](dx_btd)[0]
@@ -163,4 +190,4 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
     kinds = (B, W) if split_backward else (B,)
     ops = {(F, pos): forward(pos) for pos in (FIRST, MID, LAST)}
     ops |= {(kind, pos): backward(kind, pos) for kind in kinds for pos in (FIRST, MID, LAST)}
-    return ops, stash
+    return ops, stash, layers_sowing
