@@ -109,7 +109,7 @@ def time_single_device(setup, a):
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.step.pipeline.ops import chunk_ops
+    from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
     from meshtrain.step.pipeline.ticks import F, LAST
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches
@@ -130,7 +130,7 @@ def time_single_device(setup, a):
     def op_ms(k: int, split: bool, key: tuple[int, int]) -> float:
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
-            lp = jax.tree.map(lambda arr: arr[:k], params["layers"])
+            lp = cast_sites(setup.model.policy, jax.tree.map(lambda arr: arr[:k], params["layers"]))
             ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
             kind, pos = key
             kept = []  # what a B or W spends: the stash its chunk's F fills

@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.data import Batch
 from meshtrain.step.loss import Accumulated, GradFn
-from meshtrain.step.pipeline.ops import chunk_ops
+from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
 from meshtrain.step.pipeline.ticks import IDLE, TRANSFER_SCOPE, TickTables, tick_tables
 from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
 from meshtrain.step.state import Setup
@@ -126,10 +126,11 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         rules = dataclasses.replace(model.rules, mesh=jax.sharding.get_abstract_mesh())
         stage = lax.axis_index("pp")
         layers_vk = jax.tree.map(lambda a: a.reshape(v, rows, *a.shape[1:]), layers)
+        weights_vk = cast_sites(model.policy, layers_vk)  # what every op reads: bf16 sites cast once per step
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
-                                                 (index(layers_vk, 0), pool[0], index(batch, 0)))
+                                                 (index(weights_vk, 0), pool[0], index(batch, 0)))
         # One [n_stash_slots, ...] buffer per kept leaf of a chunk's pullback.
         stash = [jnp.zeros((max(ticks.n_stash_slots, 1), *a.shape), a.dtype) for a in stash_of.kept]
 
@@ -147,7 +148,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             def branch(carry, me):
                 pool, stash, g_layers, g_shared, sums = carry
                 c = me["chunk"]
-                out = ops[kind, pos](index(layers_vk, c), shared, index(pool, me["x_slot"]),
+                out = ops[kind, pos](index(weights_vk, c), shared, index(pool, me["x_slot"]),
                                      index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale,
                                      index(stash, me["stash_slot"]))
                 if out.kept is not None:

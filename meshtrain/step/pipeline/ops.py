@@ -22,10 +22,12 @@ the pipeline spends its residuals, so B costs a backward, not a forward and a ba
 chunk keeps nothing: its forward and backward run back to back (B follows F on that stage at once in
 every schedule), which spares the stash its logits.
 
-The pullback's residuals include the chunk's weights (a matmul's input gradient needs them). Those
-are not kept per microbatch: the weights every bf16 matmul site casts anyway are cast once, before
-the chunk runs (`cast_sites`), so the pullback holds the very arrays the stage reads again at B, and
-the stash stores only the rest.
+The ops take a chunk's layer params as the stage holds them for the whole step: the weights of bf16
+matmul sites already cast to the compute dtype (`cast_sites`, once per step in the executor; a site casts
+them anyway, and casting a stage's weights at every op took about 1.2 ms per op for a 1B model's half on an
+H100). The gradients come back in that dtype and are accumulated in fp32. The pullback's residuals include
+those weights (a matmul's input gradient needs them); they are not kept per microbatch: the pullback holds
+the very arrays the stage reads again at B, and the stash stores only the rest.
 """
 from __future__ import annotations
 
@@ -112,11 +114,11 @@ class Stash:
 def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, Any, Batch]
               ) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
-    {metric: how many of a chunk's layers sow it}.
+    {metric: how many of a chunk's layers sow it}. The ops' layer params are `cast_sites` of the chunk's.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch), values or shapes.
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
-    rules, policy = decoder.rules, decoder.policy
+    rules = decoder.rules
     stack = decoder.stack(n_layers)
 
     def run(lp, x_btd, mb: Batch):
@@ -147,7 +149,7 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         return loss * scale, (loss, ce, n, logged(sown, n))
 
     example_lp, example_x, example_mb = example
-    stash = Stash.of(vjp_chunk, cast_sites(policy, example_lp), example_x, example_mb)
+    stash = Stash.of(vjp_chunk, example_lp, example_x, example_mb)
     sown_shapes = jax.eval_shape(lambda lp, x, mb: run(lp, x, mb)[1], example_lp, example_x, example_mb)
     layers_sowing = {name: count for name, (_, count) in sown_sums(sown_shapes.get(METRICS, {})).items()}
 
@@ -156,7 +158,7 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
             if pos == LAST:
                 return OpOut()  # its B runs it (module docstring)
             x_btd = embed(sh, mb) if pos == FIRST else x
-            (y_btd, aux), pullback, sown = vjp_chunk(cast_sites(policy, lp), x_btd, mb)
+            (y_btd, aux), pullback, sown = vjp_chunk(lp, x_btd, mb)
             n = label_count(mb.targets)
             return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.keep(pullback), loss=n * aux,
                          metrics=logged(sown, n))
@@ -179,7 +181,7 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
                 return OpOut()
             # Unused outputs of the pullback (dW at a split B, dx at a W) are dead code to the compiler.
             d_aux = scale * label_count(mb.targets)  # the chunk's aux loss enters the objective as n·aux
-            d_lp, dx_btd = stash.pullback(kept, cast_sites(policy, lp))((dy, d_aux))
+            d_lp, dx_btd = stash.pullback(kept, lp)((dy, d_aux))
             d_sh = None
             if want_w and pos == FIRST:
                 d_sh = jax.vjp(lambda sh: embed(sh, mb), sh)[1](dx_btd)[0]
