@@ -88,7 +88,8 @@ NEW_AXIS_CASES = [
      {"pp", "dp"}),
     ("cp2_dp4", "mesh.cp=2 mesh.dp=4", ("collective-permute", "cp"), {"cp", "dp"}),
     ("sp2_dp4", "mesh.sp=2 mesh.dp=4", ("all-to-all", "sp"), {"sp", "dp"}),
-    ("ep2_dp4", "moe.n_experts=4 moe.top_k=2 mesh.ep=2 mesh.dp=4", ("all-to-all", "ep"), {"ep", "dp"}),
+    # the experts' exchange (moe.dispatch=auto: tokens all-gathered over ep, partial outputs reduce-scattered)
+    ("ep2_dp4", "moe.n_experts=4 moe.top_k=2 mesh.ep=2 mesh.dp=4", ("all-gather", "ep"), {"ep", "dp"}),
     ("tp4_sp_ring_dp2", "mesh.tp=4 mesh.dp=2 parallel.sequence_parallel=true parallel.tp_overlap=collective_matmul",
      ("collective-permute", "tp"), {"tp", "dp"}),
 ]
