@@ -25,11 +25,9 @@ MOE = ["model.n_layers=4", "moe.n_experts=8", "moe.top_k=2", "moe.d_ff_expert=32
        f"data.eos_id={EOS}"]
 LAYOUTS = {
     "ep2_cp2_dp2": ["mesh.ep=2", "mesh.cp=2", "mesh.dp=2", "mesh.fsdp=1"],
-    "ep2_cp2_dp2_capacity": ["mesh.ep=2", "mesh.cp=2", "mesh.dp=2", "mesh.fsdp=1", "moe.capacity_factor=4.0"],
     "ep2_sp2_tp2_padded": ["mesh.ep=2", "mesh.sp=2", "mesh.tp=2", "mesh.fsdp=1", "moe.dispatch=padded"],
     "ep2_fsdp2_tp2_zero3": ["mesh.ep=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"],
-    "ep4_cp2": ["mesh.ep=4", "mesh.cp=2", "mesh.fsdp=1"],
-    "ep8": ["mesh.ep=8", "mesh.fsdp=1"],
+    "ep4_cp2_capacity": ["mesh.ep=4", "mesh.cp=2", "mesh.fsdp=1", "moe.capacity_factor=4.0"],
     # the experts inside pipeline stages (1F1B): each chunk's aux losses and metrics join the step's
     "pp2_ep2_tp2": ["mesh.pp=2", "mesh.ep=2", "mesh.tp=2", "mesh.fsdp=1"],
     "pp2_ep2_tp2_capacity": ["mesh.pp=2", "mesh.ep=2", "mesh.tp=2", "mesh.fsdp=1", "moe.capacity_factor=4.0"],
