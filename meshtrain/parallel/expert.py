@@ -5,8 +5,8 @@ the rest (tp splits each expert's hidden width, as in a dense FFN). The dispatch
 the tokens are split over: each device sorts and sends only its own tokens (a sequence shard's, under
 cp/sp), where an automatic axis would gather the tokens of its group and repeat the whole exchange on
 every member. The router's statistics (aux losses) are taken outside, over all tokens, so they do not
-depend on the split. The collectives
-run over ep only. Experts are laid out by rank: ep rank r holds experts [r·X/ep, (r+1)·X/ep).
+depend on the split. The collectives run over ep only. Experts are laid out by rank: ep rank r holds
+experts [r·X/ep, (r+1)·X/ep).
 
 Dropless (capacity_factor 0), ep = 2, experts e0 e1 on rank 0 and e2 e3 on rank 1, top-2, two ways
 (`moe.dispatch`; `auto` is allgather):
@@ -222,8 +222,7 @@ def _allgather(x_nd, e_nk, w_nk, ffn, *, ep, n_experts):
 
     Per rank it moves (ep - 1)·N·D rows in and as many out, where the padded all-to-all moves K·N·D to every
     peer and back. The partial outputs are reduced in the compute dtype (in bf16 one more rounding of a sum
-    of ep terms, as in Megatron's tensor-parallel reduce-scatter; fp32 doubled the reduce-scatter's time on
-    H100s). The local buffer holds all ep·N·K assignments, those of other ranks' experts sorted past the
+    of ep terms, as in Megatron's tensor-parallel reduce-scatter; in fp32 it took 1.6x as long on H100s). The local buffer holds all ep·N·K assignments, those of other ranks' experts sorted past the
     end of the groups, where the grouped GEMM writes zeros."""
     n, k = e_nk.shape
     per_rank = n_experts // ep
