@@ -15,11 +15,16 @@ from meshtrain.sharding import ShardingRules
 IGNORE = -100  # label value that contributes no loss
 
 
+def label_count(labels_bt: jax.Array) -> jax.Array:
+    """The tokens that carry a label (fp32): the count every loss sum is divided by."""
+    return jnp.sum(labels_bt >= 0, dtype=jnp.float32)
+
+
 def cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, *, policy: Precision,
                       rules: ShardingRules, vocab_size: int, impl: str = "reference", interpret: bool = False
                       ) -> tuple[jax.Array, jax.Array]:
     valid_bt = labels_bt >= 0
-    n_tokens = jnp.sum(valid_bt, dtype=jnp.float32)
+    n_tokens = label_count(labels_bt)
     if impl == "fused":
         from meshtrain.model.kernels import fused_cross_entropy
         loss_bt = fused_cross_entropy(h_btd, head_dv, labels_bt, vocab_size, rules, interpret)

@@ -160,8 +160,8 @@ def _swiglu_tp(rows_rd, group_sizes_x, *, w_specs, w_gate_xdf, w_up_xdf, w_down_
                          check_vma=False)(rows_rd, group_sizes_x, w_gate_xdf, w_up_xdf, w_down_xfd)
 
 
-def _exclusive_cumsum(x, axis=0):
-    return jnp.cumsum(x, axis=axis) - x
+def _exclusive_cumsum(x):
+    return jnp.cumsum(x) - x
 
 
 # ------------------------------------------------------------------------------------------ dropless

@@ -71,11 +71,6 @@ def sown_means(tree: Any) -> dict[str, jax.Array]:
     return {k: total / count for k, (total, count) in sown_sums(tree).items()}
 
 
-def label_count(targets_bt: jax.Array) -> jax.Array:
-    """The labelled tokens of a microbatch (fp32), as the cross-entropy counts them."""
-    return jnp.sum(targets_bt >= 0, dtype=jnp.float32)
-
-
 def loss_sum_fn(model: Decoder) -> LossSum:
     """The whole model's loss of one microbatch: (params, mb, model_state) -> (objective sum, labelled
     token count, token-weighted sums to log: `loss` the cross-entropy, and the model's sown metrics)."""

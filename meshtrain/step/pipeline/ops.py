@@ -39,10 +39,11 @@ import jax
 
 from meshtrain.config import MATMUL_SITES
 from meshtrain.data import Batch
+from meshtrain.model.loss import label_count
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
 from meshtrain.precision import Precision
-from meshtrain.step.loss import aux_loss, cross_entropy, label_count, objective, sown_sums
+from meshtrain.step.loss import aux_loss, cross_entropy, objective, sown_sums
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
 
 
