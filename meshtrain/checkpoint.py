@@ -19,6 +19,7 @@ current mesh, which may differ from the mesh that saved it (the digests do not d
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -181,6 +182,7 @@ class Checkpointer:
                 state = self.restore(step, abstract_state)
                 self.verify(step, state)
             except Exception as e:  # noqa: BLE001
+                _quiet_abandoned_reads()
                 failed.append(self._say_failed(step, reason(e), steps[i + 1:]))
                 continue
             self._set_aside(failed)
@@ -234,6 +236,7 @@ class Checkpointer:
                 self._verify_digests(candidate, {"params": serialization.to_state_dict(params)})
                 return params, candidate
             except Exception as e:  # noqa: BLE001
+                _quiet_abandoned_reads()
                 self._say_failed(candidate, reason(e), candidates[i + 1:])
         raise CheckpointError(f"step{'s' if len(candidates) > 1 else ''} {', '.join(map(str, candidates))} in "
                               f"{self.directory} do{'' if len(candidates) > 1 else 'es'} not read back intact (see "
@@ -252,6 +255,25 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _quiet_abandoned_reads() -> None:
+    """Keep the one line `_say_failed` prints the only report of a damaged step. When one read of a step
+    fails, Orbax abandons its sibling reads; closing such a suspended reader raises GeneratorExit inside it,
+    which Orbax's reader catches (as BaseException) and re-raises as an Exception, so Python prints
+    "Exception ignored in: <coroutine ...>" and a traceback whenever the garbage collector gets to it,
+    possibly long after the fallback. Only exceptions caused by GeneratorExit are dropped (never
+    meaningful); every other unraisable exception reaches the hook that was installed before."""
+    if getattr(sys.unraisablehook, "meshtrain_quiet_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit):
+            previous(unraisable)
+
+    hook.meshtrain_quiet_reads = True
+    sys.unraisablehook = hook
 
 
 def abstract_state(state_shardings: TrainState, shapes: TrainState) -> TrainState:
