@@ -20,6 +20,7 @@ current mesh, which may differ from the mesh that saved it (the digests do not d
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,7 +78,9 @@ def digests(tree: Any) -> dict[str, int]:
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int, async_save: bool, timeout_s: int = 600):
         self.directory = Path(directory).absolute()
-        # A write that takes longer than timeout_s fails (and so stops the run) instead of hanging it.
+        # A write that takes longer than timeout_s fails (and so stops the run) instead of hanging it:
+        # Orbax times the async writes; a synchronous save is timed here (`_within`).
+        self._sync_timeout_s = None if async_save else timeout_s
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
                                                enable_async_checkpointing=async_save,
                                                async_options=ocp.AsyncOptions(timeout_secs=timeout_s))
@@ -104,10 +107,17 @@ class Checkpointer:
         A failure, this one's or an earlier async write's, raises CheckpointError."""
         self.check()
         tree = serialization.to_state_dict(state)
-        try:
+        metadata = {DIGESTS: digests(tree)}
+
+        def write() -> None:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(tree), config=ocp.args.JsonSave(config)),
-                custom_metadata={DIGESTS: digests(tree)}, force=True)
+                custom_metadata=metadata, force=True)
+        try:
+            if self._sync_timeout_s is None:
+                write()
+            else:
+                _within(self._sync_timeout_s, write)
         except Exception as e:  # noqa: BLE001  (any failure of the write is reported the same way)
             raise self._save_failed(step, e) from None
 
@@ -178,12 +188,20 @@ class Checkpointer:
                 failed.append(self._say_failed(step, f"its config cannot be read ({reason(e)})", steps[i + 1:]))
                 continue
             check_config(saved, step)
+            state, why = None, None
             try:
                 state = self.restore(step, abstract_state)
-                self.verify(step, state)
             except Exception as e:  # noqa: BLE001
                 _quiet_abandoned_reads()
-                failed.append(self._say_failed(step, reason(e), steps[i + 1:]))
+                why = reason(e)
+            why = _agreed_failure(why)  # before verify: its digests are a collective of every process
+            if why is None:
+                try:
+                    self.verify(step, state)
+                except Exception as e:  # noqa: BLE001  (the digests are global: every process agrees)
+                    why = reason(e)
+            if why is not None:
+                failed.append(self._say_failed(step, why, steps[i + 1:]))
                 continue
             self._set_aside(failed)
             return state, step, saved
@@ -255,6 +273,41 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _agreed_failure(why: str | None) -> str | None:
+    """Why this step cannot be used, as every process sees it: each process reads only the shards its
+    devices hold, so one may fail where another succeeds; all must then pass the step over together (a
+    process that went on alone would wait in the next collective for ever). Every process calls this."""
+    if jax.process_count() == 1:
+        return why
+    from jax.experimental import multihost_utils
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(why is not None)))
+    if why is None and failed.any():
+        return f"process {int(np.argmax(failed))} could not read it"
+    return why
+
+
+def _within(timeout_s: float, fn: Callable[[], None]) -> None:
+    """Run `fn` and return, re-raising what it raised; TimeoutError once it has run `timeout_s` seconds.
+    A synchronous Orbax save has no timeout of its own, and a hung file system (a stale NFS mount) would
+    hang the run for ever; the write runs in a daemon thread so that the run can stop with one line
+    (the step's temporary directory is never committed, and the next start removes it)."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
+            failure.append(e)
+
+    writer = threading.Thread(target=run, name="meshtrain-checkpoint-write", daemon=True)
+    writer.start()
+    writer.join(timeout_s)
+    if writer.is_alive():
+        raise TimeoutError(f"the write took longer than checkpoint.timeout_s={timeout_s:g}")
+    if failure:
+        raise failure[0]
 
 
 def _quiet_abandoned_reads() -> None:

@@ -192,6 +192,23 @@ def test_readers_close_the_checkpoint_on_an_error(saved, monkeypatch):
         assert closed == [directory], bad
 
 
+def test_a_synchronous_save_that_hangs_stops_at_the_timeout(saved, tmp_path, monkeypatch):
+    """A synchronous write on a hung file system fails after checkpoint.timeout_s with the one-line error
+    (Orbax times only its async writes); the committed steps stay as they were."""
+    setup, directory, states = saved
+    shutil.copytree(directory, tmp_path / "checkpoints")
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=3, async_save=False, timeout_s=1)
+    monkeypatch.setattr(ckpt.manager, "save", lambda *a, **k: time.sleep(60))
+    started = time.monotonic()
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save(6, jax.device_put(states[4]), setup.cfg.to_dict())
+    assert time.monotonic() - started < 10
+    assert "saving step 6" in str(e.value) and "checkpoint.timeout_s=1" in str(e.value)
+    assert "committed steps [2, 4] are intact" in str(e.value)
+    monkeypatch.undo()
+    ckpt.close()
+
+
 def test_abandoned_reads_of_a_damaged_step_print_nothing_and_other_errors_still_do():
     """After a failed read, Orbax's abandoned sibling reads raise again when collected (their reader turns
     GeneratorExit into an Exception): that must not print a traceback after the one fallback line, while

@@ -1,6 +1,7 @@
 """Two processes with 4 CPU devices each, started by scripts/launch_local.sh (jax.distributed on the
 loopback, collectives through gloo), compute what one process with 8 devices computes on the same mesh
-(fp32: rtol 1e-5); scripts/compare_runs.py, which the GPU measurement uses, agrees."""
+(fp32: rtol 1e-5); scripts/compare_runs.py, which the GPU measurement uses, agrees. Their checkpoints
+fall back together: a damaged newest step is passed over by both processes for the one before."""
 import socket
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def test_two_processes_match_one(tmp_path):
     run_cli(*MESH, f"run.dir={one}")
 
     two = tmp_path / "two"
-    proc = launch(2, *CLI_TINY, *MESH, f"run.dir={two}", "run.cpu_devices=4", log_dir=tmp_path / "logs")
+    proc = launch(2, *CLI_TINY, *MESH, f"run.dir={two}", "run.cpu_devices=4", "checkpoint.every=2",
+                  log_dir=tmp_path / "logs")
     assert proc.returncode == 0, f"launch failed:\n{proc.stdout}\n{proc.stderr}\n" + \
         (tmp_path / "logs/process_1.log").read_text()
     assert "2 processes" in proc.stdout, proc.stdout
@@ -45,6 +47,21 @@ def test_two_processes_match_one(tmp_path):
     cmp = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(one), str(two), "--after", "0",
                           "--rtol", "1e-5"], capture_output=True, text=True)
     assert cmp.returncode == 0 and "losses equal within rtol" in cmp.stdout, cmp.stdout + cmp.stderr
+
+    # Damage what process 1 wrote of the newest step: both processes must pass it over for step 2 together,
+    # or the one whose reads succeeded would wait in the digests' collective for the other for ever.
+    ckpt = two / "checkpoints"
+    for f in (p for p in (ckpt / "4" / "state" / "ocdbt.process_1").rglob("*") if p.is_file() and "/d/" in str(p)):
+        f.write_bytes(f.read_bytes()[:64])
+    proc = launch(2, *CLI_TINY, *MESH, f"run.dir={two}", "run.cpu_devices=4", "checkpoint.every=2",
+                  log_dir=tmp_path / "logs")
+    log_1 = (tmp_path / "logs/process_1.log").read_text()
+    assert proc.returncode == 0, f"resume failed:\n{proc.stdout}\n{proc.stderr}\n{log_1}"
+    assert f"checkpoint step 4 in {ckpt} cannot be used" in proc.stdout and "resumed from step 2" in proc.stdout
+    assert "Traceback" not in proc.stderr + log_1
+    assert (ckpt / "4.damaged").is_dir() and sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "4"]
+    got = logged_losses(two)
+    np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-5)
 
 
 def test_compare_runs_fails_on_a_different_loss(tmp_path):
