@@ -27,16 +27,26 @@ LOG_DIR=${LOG_DIR:-/tmp/meshtrain_launch}
 mkdir -p "$LOG_DIR"
 export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT JAX_NUM_PROCESSES=$N
 
+# On CPUs the processes exchange data through gloo, whose C++ side prints "[Gloo] Rank r is connected to
+# n peer ranks..." on stdout for every new group, from several threads at once (so lines interleave
+# mid-word). The filter drops those messages, and the bare digits their interleaving leaves behind.
+quiet_gloo() {
+    if ((GPUS > 0)); then cat; return; fi
+    sed -u -E -e 's/\[Gloo\] Rank [0-9]+ is connected to ([0-9]+ peer ranks\. Expected number of connected peer ranks is : [0-9]+)?//g' \
+        -e 's/[0-9]* ?peer ranks\. Expected number of connected peer ranks is : [0-9]*//g' \
+        -e 't gone' -e '/^[0-9]+$/d' -e b -e ':gone' -e '/^ *$/d'
+}
+
 pids=()
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 for ((i = 0; i < N; i++)); do
     dev=()  # on CPUs every process simulates its own run.cpu_devices devices
     ((GPUS > 0)) && dev=(distributed.local_device_ids=$i)
     if ((i == 0)); then
-        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" "${dev[@]}" &
+        JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" "${dev[@]}" > >(quiet_gloo) &
     else
         JAX_PROCESS_ID=$i "$PYTHON" -m meshtrain.run "$@" "${dev[@]}" run.progress=false \
-            > "$LOG_DIR/process_$i.log" 2>&1 &
+            > >(quiet_gloo > "$LOG_DIR/process_$i.log") 2>&1 &
     fi
     pids+=($!)
 done

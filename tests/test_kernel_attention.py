@@ -6,7 +6,7 @@ Tolerances, as relative L2 error ||kernel - ref|| / ||ref||:
         reference is summation order (online softmax vs. one softmax), ~1e-7 per element.
   bf16/fp16: 2e-2. The kernel rounds p (and ds in the backward) to the input dtype before the
         second matmul, as every flash kernel does: 2^-8 relative per element for bf16. (Interpreted,
-        a bf16 kernel computes in fp32: pallas_kernels/attention/triton_launch.py says why.)
+        a bf16 kernel computes in fp32: pallas_kernels/triton_launch.py says why.)
   GPU fp32: 1e-4, the kernels' products in full fp32 (not tf32) against a reference held to fp32.
 """
 import functools

@@ -39,6 +39,8 @@ def test_two_processes_match_one(tmp_path):
     assert proc.returncode == 0, f"launch failed:\n{proc.stdout}\n{proc.stderr}\n" + \
         (tmp_path / "logs/process_1.log").read_text()
     assert "2 processes" in proc.stdout, proc.stdout
+    log_1 = (tmp_path / "logs/process_1.log").read_text()
+    assert "[Gloo]" not in proc.stdout + log_1 and "peer ranks" not in proc.stdout + log_1, proc.stdout
 
     want, got = logged_losses(one), logged_losses(two)  # only process 0 writes metrics
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import LOG2E
 from pallas_kernels.attention.plan import AttentionPlan, backward_stats
-from pallas_kernels.attention.triton_launch import launch
+from pallas_kernels.triton_launch import launch
 
 _KERNELS = "pallas_kernels.attention.triton_kernels"
 

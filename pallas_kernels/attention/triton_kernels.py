@@ -1,7 +1,7 @@
 """Flash attention in Triton's own language: the forward, dK/dV and dQ kernels.
 
 They run where the Mosaic GPU kernels cannot: GPUs before Hopper, head dims other than 64 and 128,
-float32, and (through Triton's interpreter, `triton_launch.py`) the CPU tests. Launched by
+float32, and (through Triton's interpreter, `pallas_kernels/triton_launch.py`) the CPU tests. Launched by
 `triton_backend.py` through jax-triton.
 
 Layouts, all contiguous and padded to whole blocks by `api.py` (so loads need no bounds

@@ -49,10 +49,10 @@ def _import_triton(interpret: bool) -> None:
     try:
         import triton
     except ImportError as e:
-        raise ImportError("flash_attention's Triton backend needs the `triton` package (pip install "
-                          "'meshtrain[triton]' on a GPU, 'meshtrain[test]' for the interpreter)") from e
+        raise ImportError("meshtrain's Triton kernels need the `triton` package (pip install -e '.[triton]' on a "
+                          "GPU, -e '.[test]' for the interpreter)") from e
     if not hasattr(triton, "knobs"):
-        raise ImportError(f"flash_attention's Triton backend needs triton >= 3.6 (jax-triton's floor); this is "
+        raise ImportError(f"meshtrain's Triton kernels need triton >= 3.6 (jax-triton's floor); this is "
                           f"{triton.__version__}")
     if bool(triton.knobs.runtime.interpret) != interpret:
         if interpret:
@@ -68,7 +68,7 @@ def _jax_triton():
         import jax_triton
     except ImportError as e:
         raise ImportError(
-            "flash_attention's Triton backend needs jax-triton on the GPU (pip install -e '.[triton]'); "
+            "meshtrain's Triton kernels need jax-triton on the GPU (pip install -e '.[triton]'); "
             f"importing it failed: {e}") from e
     return jax_triton
 
