@@ -149,6 +149,27 @@ def test_collective_half_under_a_gemm_is_half_exposed(tmp_path):
         (10, 30, "loop_add_fusion", "MemcpyD2D"), (5, 15, "sm90_xmma_gemm_bf16", "loop_add_fusion")]
 
 
+def test_two_devices_get_a_row_each(tmp_path, capsys):
+    """Under pp each device is a stage and the averages hide an uneven split: gpu:0 computes 30 us and
+    waits 10 in a send/recv, gpu:1 computes 10 us, copies 5 and idles the rest of the 40 us window."""
+    ev = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    for pid, gpu, kernels in ((2, 0, [("nvjet_sm90_tst_128x128", 0, 30), ("ncclDevKernel_SendRecv", 30, 40)]),
+                              (3, 1, [("loop_add_fusion", 0, 10), ("MemcpyD2D", 10, 15)])):
+        ev += [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"/device:GPU:{gpu}"}},
+               {"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "Stream #1(Compute)"}}]
+        ev += [{"ph": "X", "pid": pid, "tid": 1, "ts": s, "dur": t - s, "name": name,
+                "args": {"hlo_module": "jit_step"}} for name, s, t in kernels]
+    with gzip.open(tmp_path / "vm.trace.json.gz", "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "traceEvents": ev}, f)
+    r = profile_report(tmp_path, steps=1)
+    us = {d: {k: v * 1e3 for k, v in row.items()} for d, row in r["by_device"].items()}
+    assert us == {"gpu:0": pytest.approx(dict(compute=30, collective=10, memcpy=0, idle=0)),
+                  "gpu:1": pytest.approx(dict(compute=10, collective=0, memcpy=5, idle=25))}
+    assert main([str(tmp_path), "--steps", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "gpu:1" in table.split("per device, ms/step")[1]
+
+
 PROGRAM = """HloModule jit_step, entry_computation_layout={...}
 
 %fused_select.5 (param_0: f32[4096]) -> f32[4096] {

@@ -42,6 +42,11 @@ def format_table(report: dict[str, Any]) -> str:
         hs = report["host"]
         lines.append(f"host: {hs['markers']} step markers, dispatch every {hs['dispatch_period_ms']:.2f} ms "
                      f"(median), each dispatch {hs['dispatch_ms']:.2f} ms")
+    if n > 1:  # the averages above hide an uneven split: under pp each device is a stage
+        lines += ["", "per device, ms/step (under pp: one pipeline stage each)",
+                  f"{'device':<10}{'compute':>10}{'collectives exposed':>21}{'memcpy':>9}{'idle':>9}"]
+        for d, r in report["by_device"].items():
+            lines.append(f"{d:<10}{r['compute']:>10.2f}{r['collective']:>21.2f}{r['memcpy']:>9.2f}{r['idle']:>9.2f}")
     lines += ["", "top kernels by self time (per device)",
               f"{'ms':>10}{'count':>7}{'mean us':>10}  {'category':<12} name"]
     for t in report["top_kernels"]:

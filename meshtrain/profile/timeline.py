@@ -121,9 +121,10 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
     wall = t1 - t0
     rows, hidden = defaultdict(float), defaultdict(float)
     split_idle = all(d in executions for d in devices)
-    idle_of = {}
+    idle_of, rows_of = {}, {}
     for d in devices:
         r, h = account_device(per_device[d])
+        rows_of[d] = r
         for c, v in r.items():
             rows[c] += v
         for c, v in h.items():
@@ -164,6 +165,13 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
         return dict(ms=ms, pct=100 * ms / (wall / 1e3) if wall else 0.0, ms_per_step=ms / n_steps,
                     kernels=None if n is None else round(n / n_dev))
 
+    def device_row(d: str) -> dict[str, float]:  # ms per step: under pp a device is a stage
+        per_step = lambda us: us / n_steps / 1e3  # noqa: E731
+        r = rows_of[d]
+        return dict(compute=per_step(sum(r.get(c, 0.0) for c in COMPUTE)),
+                    **{c: per_step(r.get(c, 0.0)) for c in TRANSFER},
+                    idle=per_step(sum(t - s for s, t in idle_of[d])))
+
     order = [*COMPUTE, *TRANSFER] + (["idle_between", "idle_within"] if split_idle else ["idle"])
     categories = {c: row(rows.get(c, 0.0), counts.get(c, 0) if c in counts or c in COMPUTE + TRANSFER else None)
                   for c in order}
@@ -183,7 +191,7 @@ def summarize(kernels: list[Kernel], executions: dict[str, list[tuple[float, flo
                 memcpy_hidden_ms=hidden.get("memcpy", 0.0) / n_dev / 1e3, host=host,
                 top_kernels=[dict(name=name, category=cat, ms=us / n_dev / 1e3, count=round(calls[(cat, name)] / n_dev),
                                   mean_us=us / calls[(cat, name)]) for (cat, name), us in top],
-                idle_gaps=gap_report, notes=notes)
+                idle_gaps=gap_report, notes=notes, by_device={d: device_row(d) for d in devices})
 
 
 GAP_BINS_US = (10.0, 100.0, 1000.0)  # launch-sized, host-sized, stall-sized gaps
