@@ -12,7 +12,8 @@ step, the memory guard, the planner and the inspector. Nothing below this module
                                                      can run, Triton elsewhere); "" unless attention=pallas
     interpret        the Pallas kernels run in interpret mode (CPU: tests)
     moe_exchange     allgather | padded | ""         dropless exchange over ep (auto: allgather)
-    moe_gemm         ragged_dot | pallas | ""        expert GEMMs (auto: the Pallas kernel on GPUs)
+    moe_gemm         ragged_dot | pallas | ""        expert GEMMs (auto: the gmm kernel on GPUs where its
+                                                     packages are, ragged_dot elsewhere)
     moe_fp32         XLA:CPU cannot compile the bf16 expert region on several devices: CPUs run it in fp32
     tp_ring          tensor parallelism's matmuls run as shard_map rings (parallel.tp_overlap)
     pipeline         the schedule the pipeline executor runs (None without mesh.pp > 1)
@@ -106,10 +107,11 @@ def resolve(cfg: Config, degrees: Mapping[str, int], backend: str, *, packages_h
     pipeline = (PipelineRun(cfg.pipeline.schedule, degrees["pp"], cfg.pipeline.virtual_stages, cfg.train.grad_accum)
                 if pipelined else None)
     return Execution(
-        backend=backend, attention=attention, attention_kernel=kernel, interpret=interpret, norm=m.norm, loss=m.loss,
+        backend=backend, attention=attention, attention_kernel=kernel, interpret=interpret,
+        norm=_norm(m.norm, interpret, packages_here), loss=m.loss,
         cp_impl=cfg.parallel.cp_impl, cp_layout=cfg.parallel.cp_layout, sequence_sharded=sequence_sharded,
         tp_ring=tp_ring, moe_exchange=_moe_exchange(moe.dispatch) if experts else "",
-        moe_gemm=_moe_gemm(moe.grouped_matmul, backend) if experts else "",
+        moe_gemm=_moe_gemm(moe.grouped_matmul, backend, interpret, packages_here) if experts else "",
         moe_fp32=experts and backend == "cpu" and compute != jnp.float32,
         pipeline=pipeline, vocab_padded=padded_vocab(m, degrees["tp"]))
 
@@ -141,6 +143,13 @@ def _attention_kernel(kernel: str, head_dim: int, compute: jnp.dtype, interpret:
         else "triton"
 
 
+def _norm(norm: str, interpret: bool, packages_here: bool) -> str:
+    """The fused RMSNorm (`pallas`) is written in Triton's language: refused here when its packages are not."""
+    if norm == "pallas" and packages_here:
+        _triton_installed(interpret, "model.norm=pallas")
+    return norm
+
+
 def _triton_installed(interpret: bool, what: str) -> str:
     """"triton" when its packages are there (the interpreter needs triton; a GPU, jax-triton too), else the
     config error now, before any device work, not an import traceback inside the first step."""
@@ -160,7 +169,19 @@ def _moe_exchange(dispatch: str) -> str:
     return dispatch
 
 
-def _moe_gemm(gemm: str, backend: str) -> str:
-    if gemm == "auto":  # off a GPU the kernel would run in interpret mode, which is for tests
-        return "pallas" if backend == "gpu" else "ragged_dot"
-    return gemm
+def _moe_gemm(gemm: str, backend: str, interpret: bool, packages_here: bool) -> str:
+    """The gmm kernel ("pallas") is written in Triton's language: an explicit choice without its packages
+    is the config error; auto on a GPU without them takes XLA's ragged_dot (a dense dot over the local
+    experts: slower, but it runs), and off a GPU always (the kernel would run in Triton's interpreter,
+    which is for tests)."""
+    if gemm == "ragged_dot" or (gemm == "auto" and backend != "gpu"):
+        return "ragged_dot"
+    if not packages_here:
+        return "pallas"
+    try:
+        _triton_installed(interpret, "moe.grouped_matmul=pallas")
+    except ConfigError:
+        if gemm == "pallas":
+            raise
+        return "ragged_dot"
+    return "pallas"

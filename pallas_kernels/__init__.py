@@ -1,5 +1,6 @@
-"""Kernels for meshtrain, each with a jnp reference beside it: Pallas (Mosaic GPU, Triton lowering) and
-Triton-language ones. Imports jax only; triton and jax-triton when a Triton kernel first runs.
+"""Kernels for meshtrain, each with a jnp reference beside it: Pallas on Mosaic GPU (flash attention on
+Hopper) and kernels in Triton's own language (attention's fallback, RMSNorm, the grouped matmul), launched by
+triton_launch.py. Imports jax only; triton and jax-triton when a Triton kernel first runs.
 
 Layout: a kernel family of several files has its own folder (attention/: flash attention's entry,
 plan, reference and its Mosaic GPU and Triton backends); a single-file kernel sits here beside

@@ -1,31 +1,13 @@
-"""Small helpers shared by the kernels: version shims, matmul, shape arithmetic."""
+"""Small helpers shared by the kernels: constants, shape arithmetic, dtype checks."""
 from __future__ import annotations
 
 import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental.pallas import triton as plgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-# The Triton compiler-params class was renamed (TritonCompilerParams -> CompilerParams); accept
-# both so the same code lowers on every jax this project supports (0.10 on CPU, 0.11 on the GPU).
-_TritonParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
-
-
-def triton_params(num_warps: int, num_stages: int):
-    """Compiler params that also select the Triton lowering of `pl.pallas_call` on the GPU."""
-    return _TritonParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
-    """2-D matmul with fp32 accumulation; transposes are folded into the contraction dims."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

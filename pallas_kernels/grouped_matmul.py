@@ -1,4 +1,5 @@
-"""Grouped matmul (Pallas, Triton lowering on the GPU): the rows of group g times rhs[g].
+"""Grouped matmul: the rows of group g times rhs[g]; Triton-language kernels (`grouped_matmul_triton.py`)
+launched through `triton_launch` (jax-triton on the GPU, Triton's interpreter on the CPU).
 
 Semantics of `jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`: group g owns the
 contiguous rows [start_g, end_g), start_g = sizes[0] + ... + sizes[g-1]; rows past the sum are 0.
@@ -16,8 +17,10 @@ contiguous rows [start_g, end_g), start_g = sizes[0] + ... + sizes[g-1]; rows pa
   backward   d_lhs = gmm(d_out, rhs) contracting over N (rhs read as [G, N, K] in place, no transpose
              copy); d_rhs = tgmm(lhs, d_out). Cotangents are cast to the input dtype before the kernels.
 
+This module holds the API, the plan, the schedule (int32 arrays the kernels read), the padding of
+every dim to whole blocks (the kernels' only masks are the group masks) and the custom_vjp.
 FLOPs 2·M·K·N per gmm plus the straddle visits; fp32 accumulation; bf16, fp16 or fp32 inputs (fp32 dots
-at HIGHEST precision).
+in full fp32, `input_precision="ieee"`, not tf32). Needs the `triton` package (and jax-triton on a GPU).
 """
 from __future__ import annotations
 
@@ -27,10 +30,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import cdiv, check_float_dtype, is_pow2, round_up, triton_params
+from pallas_kernels._common import cdiv, check_float_dtype, is_pow2, round_up
+from pallas_kernels.triton_launch import launch
+
+_KERNELS = "pallas_kernels.grouped_matmul_triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,62 +76,6 @@ def grouped_matmul_reference(lhs_mk, rhs_gkn, group_sizes_g, *, preferred_elemen
     return out.astype(preferred_element_type or lhs_mk.dtype)
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False):
-    """2-D dot, fp32 accumulation; fp32 operands at full precision (not TF32)."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
-
-
-def _row_mask(first_row, bm, start, end):
-    rows = first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-    return (rows >= start) & (rows < end)
-
-
-def _load_rows(ref_view, mask_m1):
-    """A tile with the rows outside the group read as 0: a masked (predicated, zero-filled) load, which
-    Triton pipelines like a plain one, where a select after the load would sit between load and dot."""
-    return plgpu.load(ref_view, mask=jnp.broadcast_to(mask_m1, ref_view.shape),
-                      other=jnp.zeros((), ref_view.dtype))  # typed: the load's fill value has the tile's dtype
-
-
-def _gmm_kernel(lo_ref, hi_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref, *, bm, bk, bn, n_k, trans_rhs):
-    i = pl.program_id(1)
-    tile_row = i * bm
-
-    def group_body(g, acc):
-        mask = _row_mask(tile_row, bm, start_ref[g], end_ref[g])
-
-        def k_body(kb, acc):
-            ks = pl.ds(kb * bk, bk)
-            x = _load_rows(lhs_ref.at[:, ks], mask)
-            if trans_rhs:  # rhs block [N-block rows = bn outputs, K]: contract over its last dim
-                return acc + _dot(x, rhs_ref[g, :, ks], trans_b=True)
-            return acc + _dot(x, rhs_ref[g, ks, :])
-
-        return lax.fori_loop(0, n_k, k_body, acc)
-
-    acc = lax.fori_loop(lo_ref[i], hi_ref[i], group_body, jnp.zeros((bm, bn), jnp.float32))
-    out_ref[...] = acc.astype(out_ref.dtype)
-
-
-def _tgmm_kernel(start_ref, end_ref, lhs_ref, dy_ref, out_ref, *, bm, bk, bn):
-    g = pl.program_id(2)
-    start, end = start_ref[g], end_ref[g]
-    first = lax.div(start, bm)
-    last = jnp.where(end > start, lax.div(end + bm - 1, bm), first)  # exclusive; == first when empty
-
-    def body(r, acc):
-        rows = pl.ds(r * bm, bm)
-        mask = _row_mask(r * bm, bm, start, end)
-        # Both operands masked: a non-finite row of the neighbour's dy times a zero would still be NaN.
-        x, dy = _load_rows(lhs_ref.at[rows, :], mask), _load_rows(dy_ref.at[rows, :], mask)
-        return acc + _dot(x, dy, trans_a=True)
-
-    acc = lax.fori_loop(first, last, body, jnp.zeros((bk, bn), jnp.float32))
-    out_ref[...] = acc.astype(out_ref.dtype)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     blocks: GroupedMatmulBlockSizes
@@ -160,34 +108,29 @@ def _pad2(x, rows, cols):
     return x if (r, c) == (rows, cols) else jnp.pad(x, ((0, rows - r), (0, cols - c)))
 
 
+def _precision(dtype) -> str:
+    """fp32 inputs get fp32 products on the GPU (tf32 would be Triton's default); 16-bit ones ignore it."""
+    return "ieee" if dtype == jnp.float32 else "tf32"
+
+
 def _gmm_call(lhs_mk, rhs, group_sizes_g, plan: _Plan, *, trans_rhs: bool):
     """lhs [M, K] x rhs [G, K, N] (or [G, N, K] with trans_rhs) -> [M, N] in plan.out_dtype."""
     bs = plan.blocks
     m, k = lhs_mk.shape
-    g = rhs.shape[0]
     n = rhs.shape[1] if trans_rhs else rhs.shape[2]
     bm, bk, bn = bs.block_m, bs.block_k, bs.block_n
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
-    lhs_p = _pad2(lhs_mk, mp, kp)
-    if trans_rhs:
-        rhs_p = rhs if (n, k) == (np_, kp) else jnp.pad(rhs, ((0, 0), (0, np_ - n), (0, kp - k)))
-        rhs_spec = pl.BlockSpec((g, bn, kp), lambda j, i: (0, j, 0))
-    else:
-        rhs_p = rhs if (k, n) == (kp, np_) else jnp.pad(rhs, ((0, 0), (0, kp - k), (0, np_ - n)))
-        rhs_spec = pl.BlockSpec((g, kp, bn), lambda j, i: (0, 0, j))
+    rows, cols = (np_, kp) if trans_rhs else (kp, np_)
+    rhs_p = rhs if rhs.shape[1:] == (rows, cols) else jnp.pad(
+        rhs, ((0, 0), (0, rows - rhs.shape[1]), (0, cols - rhs.shape[2])))
     starts, ends = _bounds(group_sizes_g, m)
     lo, hi = _schedule(starts, ends, mp, bm)
-    whole = lambda size: pl.BlockSpec((size,), lambda j, i: (0,))
-    out = pl.pallas_call(
-        functools.partial(_gmm_kernel, bm=bm, bk=bk, bn=bn, n_k=kp // bk, trans_rhs=trans_rhs),
-        grid=(np_ // bn, mp // bm),  # n-tiles fastest: the programs of one lhs row panel run together
-        in_specs=[whole(mp // bm), whole(mp // bm), whole(g), whole(g),
-                  pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), rhs_spec],
-        out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), plan.out_dtype),
-        compiler_params=triton_params(bs.num_warps, bs.num_stages), interpret=plan.interpret,
-        name="grouped_matmul",
-    )(lo, hi, starts, ends, lhs_p, rhs_p)
+    (out,) = launch(_KERNELS, "gmm_kernel", lo, hi, starts, ends, _pad2(lhs_mk, mp, kp), rhs_p,
+                    out_shape=[jax.ShapeDtypeStruct((mp, np_), plan.out_dtype)],
+                    grid=(np_ // bn, mp // bm),  # n-tiles fastest: the programs of one lhs row panel run together
+                    num_warps=bs.num_warps, num_stages=bs.num_stages, interpret=plan.interpret,
+                    K_PAD=kp, N_PAD=np_, BM=bm, BK=bk, BN=bn, TRANS_RHS=trans_rhs,
+                    PRECISION=_precision(lhs_mk.dtype))
     return out if (mp, np_) == (m, n) else out[:m, :n]
 
 
@@ -199,17 +142,11 @@ def _tgmm_call(lhs_mk, dy_mn, group_sizes_g, n_groups: int, out_dtype, plan: _Pl
     bm, bk, bn = bs.block_m_t, bs.block_k_t, bs.block_n_t
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     starts, ends = _bounds(group_sizes_g, m)
-    whole = pl.BlockSpec((n_groups,), lambda ni, ki, gi: (0,))
-    out = pl.pallas_call(
-        functools.partial(_tgmm_kernel, bm=bm, bk=bk, bn=bn),
-        grid=(np_ // bn, kp // bk, n_groups),  # groups slowest: one group's programs share its rows
-        in_specs=[whole, whole, pl.BlockSpec((mp, bk), lambda ni, ki, gi: (0, ki)),
-                  pl.BlockSpec((mp, bn), lambda ni, ki, gi: (0, ni))],
-        out_specs=pl.BlockSpec((None, bk, bn), lambda ni, ki, gi: (gi, ki, ni)),
-        out_shape=jax.ShapeDtypeStruct((n_groups, kp, np_), out_dtype),
-        compiler_params=triton_params(bs.num_warps_t, bs.num_stages_t), interpret=plan.interpret,
-        name="grouped_matmul_tgmm",
-    )(starts, ends, _pad2(lhs_mk, mp, kp), _pad2(dy_mn, mp, np_))
+    (out,) = launch(_KERNELS, "tgmm_kernel", starts, ends, _pad2(lhs_mk, mp, kp), _pad2(dy_mn, mp, np_),
+                    out_shape=[jax.ShapeDtypeStruct((n_groups, kp, np_), out_dtype)],
+                    grid=(np_ // bn, kp // bk, n_groups),  # groups slowest: one group's programs share its rows
+                    num_warps=bs.num_warps_t, num_stages=bs.num_stages_t, interpret=plan.interpret,
+                    K_PAD=kp, N_PAD=np_, BM=bm, BK=bk, BN=bn, PRECISION=_precision(lhs_mk.dtype))
     return out if (kp, np_) == (k, n) else out[:, :k, :n]
 
 

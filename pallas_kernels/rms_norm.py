@@ -1,4 +1,5 @@
-"""RMSNorm with an optional fused residual add (Pallas, Triton lowering on the GPU).
+"""RMSNorm with an optional fused residual add: the API, plan and custom_vjp of the Triton kernels in
+`rms_norm_triton.py` (jax-triton on the GPU, Triton's interpreter with interpret=True; `triton_launch.py`).
 
   forward   grid (N/br,):   s = x + residual (stored in x.dtype),  rstd = rsqrt(mean(s^2) + eps),
                              y = s * rstd * w.  One read of x (and residual), one write of y (and s).
@@ -6,9 +7,10 @@
                              sum in fp32 registers; dx = rstd * (dy*w - s_hat * mean(dy*w*s_hat)) (+ ds).
                              The [N/rb, D] partials are summed by XLA (a small fraction of the traffic).
             or, with programs_bwd = P > 0, a persistent grid (P,): program p walks the chunks
-                             p, p + P, p + 2P, ... of `chunk` rows over full-array refs, so the
+                             p, p + P, p + 2P, ... of `chunk` rows over the whole arrays, so the
                              partials are [P, D] whatever N is.
 Bytes (bf16, with residual): fwd 4*N*D*2 (x, r in; y, s out), bwd 4*N*D*2 (s, dy, ds in; dx out).
+Rows are padded to whole blocks and D to a power of two >= 16 here, so the kernels need no masks.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_float_dtype, is_pow2, next_pow2, round_up, triton_params
+from pallas_kernels._common import check_float_dtype, is_pow2, next_pow2, round_up
+from pallas_kernels.triton_launch import launch
+
+_KERNELS = "pallas_kernels.rms_norm_triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,71 +67,6 @@ def rms_norm_reference(x, w, *, eps: float = 1e-6, residual=None):
     return y if residual is None else (y, s)
 
 
-def _fwd_kernel(*refs, d: int, eps: float, has_res: bool):
-    if has_res:
-        x_ref, r_ref, w_ref, y_ref, s_ref, rstd_ref = refs
-        s = (x_ref[...].astype(jnp.float32) + r_ref[...].astype(jnp.float32)).astype(s_ref.dtype)
-        s_ref[...] = s
-        s = s.astype(jnp.float32)  # normalize the stored (rounded) sum, as the reference does
-    else:
-        x_ref, w_ref, y_ref, rstd_ref = refs
-        s = x_ref[...].astype(jnp.float32)
-    rstd = lax.rsqrt(jnp.sum(s * s, axis=1) / d + eps)
-    y_ref[...] = (s * rstd[:, None] * w_ref[...].astype(jnp.float32)[None, :]).astype(y_ref.dtype)
-    rstd_ref[...] = rstd
-
-
-def _bwd_kernel(*refs, d: int, chunk: int, n_chunks: int, has_res: bool, programs: int = 0,
-                prefetch: bool = False):
-    """programs == 0: the refs are this program's rb-row blocks, walked in n_chunks steps.
-    programs == P > 0: the refs are the full arrays (n_chunks * chunk rows); program p walks the
-    chunks p, p + P, ... (at least one: P <= n_chunks).
-    prefetch: step c issues the loads of step c + 1 (the last step reloads itself) before its own
-    math, so a program keeps one step of loads in flight while it reduces and stores."""
-    if has_res:
-        s_ref, w_ref, rstd_ref, dy_ref, ds_ref, dx_ref, dw_ref = refs
-    else:
-        s_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref = refs
-        ds_ref = None
-    w = w_ref[...].astype(jnp.float32)[None, :]
-    if programs:
-        pid = pl.program_id(0)
-        steps = lax.div(n_chunks - 1 - pid, programs) + 1  # operands >= 0
-        rows_of = lambda c: pl.ds((pid + c * programs) * chunk, chunk)
-    else:
-        steps = n_chunks
-        rows_of = lambda c: pl.ds(c * chunk, chunk)
-
-    def load(c):
-        rows = rows_of(c)
-        return (rstd_ref[rows], s_ref[rows, :], dy_ref[rows, :],
-                ds_ref[rows, :] if has_res else None)
-
-    def step(c, vals, dw):
-        rstd, s, dy, ds = vals
-        rstd = rstd[:, None]
-        s_hat = s.astype(jnp.float32) * rstd
-        dy = dy.astype(jnp.float32)
-        g = dy * w
-        dx = rstd * (g - s_hat * (jnp.sum(g * s_hat, axis=1, keepdims=True) / d))
-        if has_res:
-            dx = dx + ds.astype(jnp.float32)
-        dx_ref[rows_of(c), :] = dx.astype(dx_ref.dtype)
-        return dw + jnp.sum(dy * s_hat, axis=0)
-
-    dw0 = jnp.zeros((w.shape[1],), jnp.float32)
-    if prefetch:
-        def body(c, carry):
-            dw, vals = carry
-            nxt = load(jnp.minimum(c + 1, steps - 1))
-            return step(c, vals, dw), nxt
-
-        dw, _ = lax.fori_loop(0, steps, body, (dw0, load(0)))
-    else:
-        dw = lax.fori_loop(0, steps, lambda c, dw: step(c, load(c), dw), dw0)
-    dw_ref[...] = dw
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     d: int
@@ -137,52 +76,40 @@ class _Plan:
     interpret: bool
 
 
+def _dummy(a):
+    """The one-element stand-in for an array a kernel does not touch in this plan (no residual)."""
+    return jnp.zeros((1,), a.dtype)
+
+
 def _forward(x2, r2, w, plan: _Plan):
+    """[(y, s,) rstd]: y and s [n, dp] in x.dtype (s only with a residual), rstd [n] fp32."""
     n, dp = x2.shape
     br = plan.blocks.block_rows
-    row = pl.BlockSpec((br, dp), lambda i: (i, 0))
-    wspec = pl.BlockSpec((dp,), lambda i: (0,))
-    vec = pl.BlockSpec((br,), lambda i: (i,))
-    ins, args = ([row, row, wspec], [x2, r2, w]) if plan.has_res else ([row, wspec], [x2, w])
-    outs = [row, row, vec] if plan.has_res else [row, vec]
-    shapes = [jax.ShapeDtypeStruct(x2.shape, x2.dtype)] * (2 if plan.has_res else 1)
-    shapes.append(jax.ShapeDtypeStruct((n,), jnp.float32))
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, d=plan.d, eps=plan.eps, has_res=plan.has_res),
-        grid=(n // br,), in_specs=ins, out_specs=outs, out_shape=shapes,
-        compiler_params=triton_params(plan.blocks.num_warps, 1), interpret=plan.interpret,
-        name="rms_norm_fwd",
-    )(*args)
+    rows = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
+    s_shape = rows if plan.has_res else jax.ShapeDtypeStruct((1,), x2.dtype)
+    y, s, rstd = launch(_KERNELS, "rms_norm_fwd", x2, r2 if plan.has_res else _dummy(x2), w,
+                        out_shape=[rows, s_shape, jax.ShapeDtypeStruct((n,), jnp.float32)],
+                        grid=(n // br,), num_warps=plan.blocks.num_warps, num_stages=1, interpret=plan.interpret,
+                        D=plan.d, DP=dp, EPS=plan.eps, BR=br, HAS_RES=plan.has_res)
+    return [y, s, rstd] if plan.has_res else [y, rstd]
 
 
 def _backward(s2, w, rstd, dy2, ds2, plan: _Plan):
+    """(dx [n, dp] in s.dtype, dw [dp] fp32): the kernel's per-program partials of dw summed here."""
     n, dp = s2.shape
     bs = plan.blocks
-    rb, chunk = bs.block_rows_bwd, bs.chunk_rows_bwd
-    if bs.programs_bwd:  # persistent: every program sees the full arrays
+    chunk = bs.chunk_rows_bwd
+    if bs.programs_bwd:  # persistent: programs stride over all n/chunk chunks
         programs = min(bs.programs_bwd, n // chunk)
         grid, n_chunks = programs, n // chunk
-        row = pl.BlockSpec((n, dp), lambda i: (0, 0))
-        vec = pl.BlockSpec((n,), lambda i: (0,))
-    else:
-        programs, grid, n_chunks = 0, n // rb, rb // chunk
-        row = pl.BlockSpec((rb, dp), lambda i: (i, 0))
-        vec = pl.BlockSpec((rb,), lambda i: (i,))
-    ins = [row, pl.BlockSpec((dp,), lambda i: (0,)), vec, row]
-    args = [s2, w, rstd, dy2]
-    if plan.has_res:
-        ins.append(row)
-        args.append(ds2)
-    dx, dw_part = pl.pallas_call(
-        functools.partial(_bwd_kernel, d=plan.d, chunk=chunk, n_chunks=n_chunks, has_res=plan.has_res,
-                          programs=programs, prefetch=bs.prefetch_bwd),
-        grid=(grid,), in_specs=ins,
-        out_specs=[row, pl.BlockSpec((None, dp), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct(s2.shape, s2.dtype),
-                   jax.ShapeDtypeStruct((grid, dp), jnp.float32)],
-        compiler_params=triton_params(bs.num_warps_bwd, 2), interpret=plan.interpret,
-        name="rms_norm_bwd",
-    )(*args)
+    else:  # a program per block_rows_bwd rows, walked chunk by chunk
+        programs, grid, n_chunks = 0, n // bs.block_rows_bwd, bs.block_rows_bwd // chunk
+    dx, dw_part = launch(_KERNELS, "rms_norm_bwd", s2, w, rstd, dy2, ds2 if plan.has_res else _dummy(s2),
+                         out_shape=[jax.ShapeDtypeStruct(s2.shape, s2.dtype),
+                                    jax.ShapeDtypeStruct((grid, dp), jnp.float32)],
+                         grid=(grid,), num_warps=bs.num_warps_bwd, num_stages=2, interpret=plan.interpret,
+                         D=plan.d, DP=dp, CHUNK=chunk, N_CHUNKS=n_chunks, PROGRAMS=programs,
+                         PREFETCH=bs.prefetch_bwd, HAS_RES=plan.has_res)
     return dx, jnp.sum(dw_part, axis=0)
 
 

@@ -165,13 +165,13 @@ def rms_rows(args, results):
     if torch_row:
         results.append(torch_row)
         print(fmt(torch_row), flush=True)
-    impls = [("pallas", rms_norm), ("jnp", rms_norm_reference)]
+    impls = [("triton", rms_norm), ("jnp", rms_norm_reference)]
     if args.sweep:
         for cfg in ((2, 16, 2, 8, 4), (4, 32, 2, 8, 4), (4, 16, 1, 8, 4), (4, 16, 2, 8, 2), (4, 32, 4, 8, 8),
                     (4, 64, 4, 8, 8), (4, 32, 2, 8, 8), (4, 16, 4, 8, 4), (4, 64, 8, 8, 8), (8, 32, 4, 16, 8),
                     (4, 8, 2, 8, 4), (4, 8, 1, 8, 2)):
             bs = RmsNormBlockSizes(*cfg)
-            impls.append((f"pallas [{'/'.join(map(str, cfg))}]", functools.partial(rms_norm, block_sizes=bs)))
+            impls.append((f"triton [{'/'.join(map(str, cfg))}]", functools.partial(rms_norm, block_sizes=bs)))
     for impl, fn in impls:
         fwd = jax.jit(lambda x, r, w, dy, ds, fn=fn: fn(x, w, residual=r))
         # dresidual is the same array as dx (d(x + r)/dr = d(x + r)/dx): return it once, as a

@@ -1,4 +1,5 @@
 """Test setup: 8 simulated CPU devices, set before jax is imported anywhere."""
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -31,8 +32,17 @@ def _has_gpu() -> bool:
         return False
 
 
+def _has_triton_packages() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("triton", "jax_triton"))
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
+        if not _has_triton_packages():  # the `triton` extra is optional: its GPU tests skip, saying why
+            skip_triton = pytest.mark.skip(reason="needs triton and jax-triton on the GPU: pip install -e '.[triton]'")
+            for item in items:
+                if item.get_closest_marker("triton"):
+                    item.add_marker(skip_triton)
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -152,17 +152,22 @@ def packed_segment_ids(b: int, t: int, lengths) -> jax.Array:
     return jnp.asarray(ids)
 
 
+def assert_grad_prints_no_deprecation(loss, args, capfd) -> None:
+    """The gradient of `loss(*args)` in every argument neither raises a DeprecationWarning nor prints one:
+    jax 0.11 warns at every call of a Pallas kernel lowered through Triton, and the kernels checked with this
+    go through jax-triton or Mosaic GPU instead."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(jax.grad(loss, tuple(range(len(args))))(*args))
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)], [str(w.message) for w in caught]
+    assert "deprecat" not in capfd.readouterr().err.lower()
+
+
 def assert_attention_grad_prints_no_deprecation(attention, capfd) -> None:
-    """The gradient of `attention(q, k, v)` (a small causal GQA case in bf16) neither raises a
-    DeprecationWarning nor prints one: jax 0.11 warns at every call of a Pallas kernel lowered through
-    Triton, which no flash-attention path does any more."""
+    """assert_grad_prints_no_deprecation for `attention(q, k, v)` on a small causal GQA case in bf16."""
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
     q, k, v, do = (normal(key, shape) for key, shape in
                    zip(keys, [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 4, 128)]))
     loss = lambda q, k, v: jnp.vdot(attention(q, k, v).astype(jnp.float32), do.astype(jnp.float32))  # noqa: E731
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
-    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)], [str(w.message) for w in caught]
-    assert "deprecat" not in capfd.readouterr().err.lower()
+    assert_grad_prints_no_deprecation(loss, (q, k, v), capfd)

@@ -172,6 +172,7 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.triton
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_triton_matches_reference(case):
     """The Triton kernels compiled by Triton (through jax-triton), against the reference."""
@@ -195,6 +196,7 @@ def test_gpu_triton_matches_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.triton
 def test_gpu_triton_path_prints_no_deprecation_warning(capfd):
     # jax-triton's calls are not Pallas's Triton lowering, which jax 0.11 reports as deprecated.
     assert_attention_grad_prints_no_deprecation(functools.partial(flash_attention, backend="triton"), capfd)

@@ -1,4 +1,4 @@
-"""gmm (Pallas, interpret mode on the CPU) against jax.lax.ragged_dot and a per-group jnp loop:
+"""gmm (Triton kernels; Triton's interpreter on the CPU) against jax.lax.ragged_dot and a per-group jnp loop:
 output, d_lhs and d_rhs.
 
 Tolerances (relative L2 error): fp32 1e-5 (the same fp32 products, summed in another order);
@@ -6,12 +6,17 @@ bf16/fp16 1e-2 (outputs and gradients rounded once to 8/11 mantissa bits, plus t
 the input dtype before the backward kernels).
 """
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_grad_prints_no_deprecation
 from pallas_kernels import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 
 # 16-wide tiles so that the small shapes below still span several tiles in every dim.
@@ -106,26 +111,53 @@ def test_bad_arguments_raise():
         GroupedMatmulBlockSizes(block_k=24)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_to_triton_without_a_gpu(dtype):
-    """The compiled path (interpret=False) through Pallas' Triton lowering, exported for CUDA from the
-    CPU: catches an operation or shape the Triton lowering rejects before a GPU ever sees it.
+# Runs in a fresh process: Triton's interpreter, which the tests above turned on, is a mode of the whole
+# process. jax-triton's `triton_call` is stubbed by one that compiles the kernel for an H100 (sm_90, down to
+# a cubin: Triton ships its own LLVM and ptxas) with the signature and constexprs the launcher hands it.
+_COMPILE_FOR_SM90 = """
+import sys, types
+import jax, jax.numpy as jnp, triton
+from triton.backends.compiler import GPUTarget
+
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32"}
+compiled = []
+
+def triton_call(*args, kernel, out_shape, grid, name, num_warps, num_stages, **constexprs):
+    signature = {a: "*" + TRITON_TYPES[str(x.dtype)] for a, x in zip(kernel.arg_names, [*args, *out_shape])}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    src = triton.compiler.ASTSource(kernel, signature,
+                                    constexprs={(kernel.arg_names.index(a),): v for a, v in constexprs.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled.append(name)
+    return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+sys.modules["jax_triton"] = types.SimpleNamespace(triton_call=triton_call)
+from pallas_kernels import gmm
+
+m, k, n, g, dtype = 1000, 200, 96, 8, jnp.dtype(sys.argv[1])  # nothing a tile multiple
+def f(x, w, s, dy):
+    out, vjp = jax.vjp(lambda x, w: gmm(x, w, s, interpret=False), x, w)
+    return out, vjp(dy)
+jax.jit(f).lower(jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
+                 jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((m, n), dtype))
+print("compiled:", *compiled)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compiles_for_sm90_without_a_gpu(dtype):
+    """The compiled path (interpret=False) through the launcher, each kernel compiled by Triton for an H100
+    from the CPU: catches an operation, type or shape Triton's compiler rejects before a GPU ever sees it.
     Three kernels: gmm forward, gmm for d_lhs (rhs read transposed), tgmm for d_rhs."""
-    m, k, n, g = 1000, 200, 96, 8  # nothing a tile multiple
-
-    def f(x, w, s, dy):
-        out, vjp = jax.vjp(lambda x, w: gmm(x, w, s, interpret=False), x, w)
-        return out, vjp(dy)
-
-    args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
-            jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((m, n), dtype))
-    triton = "__gpu$xla.gpu.triton"
-    exported = jax.export.export(jax.jit(f), platforms=("cuda",),
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
-    assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == 3
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, dtype], cwd=Path(__file__).parents[1],
+                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["compiled:", "gmm_kernel", "gmm_kernel", "tgmm_kernel"], proc.stdout
 
 
 @pytest.mark.gpu
+@pytest.mark.triton
 @pytest.mark.parametrize("m,k,n,g", [(4096, 512, 256, 8), (3000, 1024, 512, 16)])
 def test_gpu_matches_ragged_dot(m, k, n, g):
     """The compiled kernel (default tiles) against XLA's ragged_dot, bf16, uneven groups with empties."""
@@ -137,3 +169,12 @@ def test_gpu_matches_ragged_dot(m, k, n, g):
     got = _out_and_grads(gmm, x, w, s, dy)
     want = _out_and_grads(jax.lax.ragged_dot, x, w, s, dy)
     _check(got, want, 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_gpu_path_prints_no_deprecation_warning(capfd):
+    # jax-triton's calls are not Pallas's Triton lowering, which jax 0.11 reports as deprecated at each call.
+    x, w, s, dy = _inputs(1000, 256, 128, [300, 0, 500, 150], jnp.bfloat16, seed=4)
+    loss = lambda x, w: jnp.vdot(gmm(x, w, s).astype(jnp.float32), dy.astype(jnp.float32))  # noqa: E731
+    assert_grad_prints_no_deprecation(loss, (x, w), capfd)

@@ -157,6 +157,7 @@ def test_pallas_grouped_matmul_matches_ragged_dot(ep, tp, capacity_factor, dispa
 
 
 @pytest.mark.gpu
+@pytest.mark.triton
 def test_compiled_pallas_grouped_matmul_matches_ragged_dot():
     """The same on one GPU with the compiled kernel (fp32: IEEE dots in the kernel, HIGHEST in XLA)."""
     _check_pallas_matches_ragged_dot(1, 1, 0.0, (2, 64, D))

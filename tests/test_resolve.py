@@ -113,3 +113,68 @@ def test_the_planner_decides_for_a_machine_with_the_kernel_packages(monkeypatch)
     with pytest.raises(ConfigError, match="jax_triton"):
         resolve(cfg, degrees, "gpu")
     assert resolve(cfg, degrees, "gpu", packages_here=False).attention_kernel == "triton"
+
+
+def test_the_fused_norm_needs_the_triton_packages_where_it_runs(monkeypatch):
+    """model.norm=pallas runs Triton kernels: jax-triton and triton on a GPU, triton for the CPU's interpreter.
+    Without them it is one config error naming the field and the install line; the planner assumes them, and
+    the default (the jnp norm) needs neither."""
+    import importlib.util
+
+    real, there = importlib.util.find_spec, {"triton", "jax_triton"}
+
+    def find_spec(name, *args, **kwargs):  # the two packages as `there` says, whatever this machine has
+        root = name.split(".")[0]
+        if root not in ("triton", "jax_triton"):
+            return real(name, *args, **kwargs)
+        return object() if root in there else None
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    cfg = tiny_config("precision.compute=bfloat16", "model.norm=pallas")
+    degrees = dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1)
+    assert resolve(cfg, degrees, "gpu").norm == "pallas"
+    there.remove("jax_triton")
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, degrees, "gpu")
+    assert err.value.problems == ['model.norm=pallas needs the jax_triton package: pip install -e ".[triton]"']
+    assert resolve(cfg, degrees, "cpu").norm == "pallas"  # the interpreter needs triton only
+    assert resolve(cfg, degrees, "gpu", packages_here=False).norm == "pallas"
+    there.clear()
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, degrees, "cpu")
+    assert err.value.problems == ['model.norm=pallas needs the triton package: pip install -e ".[triton]"']
+    assert resolve(tiny_config("precision.compute=bfloat16"), degrees, "gpu").norm == "reference"
+
+
+def test_the_moe_gemm_kernel_needs_the_triton_packages_where_it_runs(monkeypatch):
+    """moe.grouped_matmul=pallas runs the gmm Triton kernels: jax-triton and triton on a GPU, triton for the CPU's
+    interpreter. Without them an explicit choice is one config error naming the field and the install line, and
+    auto on a GPU takes XLA's ragged_dot; the planner assumes them."""
+    import importlib.util
+
+    real, there = importlib.util.find_spec, {"triton", "jax_triton"}
+
+    def find_spec(name, *args, **kwargs):  # the two packages as `there` says, whatever this machine has
+        root = name.split(".")[0]
+        if root not in ("triton", "jax_triton"):
+            return real(name, *args, **kwargs)
+        return object() if root in there else None
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    degrees = dict(pp=1, dp=1, fsdp=1, ep=2, cp=1, sp=1, tp=1)
+    auto = tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16")
+    explicit = tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16", "moe.grouped_matmul=pallas")
+    assert resolve(auto, degrees, "gpu").moe_gemm == resolve(explicit, degrees, "gpu").moe_gemm == "pallas"
+    there.remove("jax_triton")
+    with pytest.raises(ConfigError) as err:
+        resolve(explicit, degrees, "gpu")
+    assert err.value.problems == ['moe.grouped_matmul=pallas needs the jax_triton package: pip install -e ".[triton]"']
+    assert resolve(auto, degrees, "gpu").moe_gemm == "ragged_dot"
+    assert resolve(auto, degrees, "gpu", packages_here=False).moe_gemm == "pallas"
+    assert resolve(explicit, degrees, "gpu", packages_here=False).moe_gemm == "pallas"
+    assert resolve(explicit, degrees, "cpu").moe_gemm == "pallas"  # the interpreter needs triton only
+    there.remove("triton")
+    with pytest.raises(ConfigError) as err:
+        resolve(explicit, degrees, "cpu")
+    assert err.value.problems == ['moe.grouped_matmul=pallas needs the triton package: pip install -e ".[triton]"']
+    assert resolve(auto, degrees, "cpu").moe_gemm == "ragged_dot"

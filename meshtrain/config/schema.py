@@ -89,7 +89,7 @@ class ModelConfig:
     # layer of an unrolled stack); triton compiles faster, and its attention takes 1.06-1.45x as long
     # (docs/PERFORMANCE.md).
     attention_kernel: Literal["auto", "mosaic", "triton"] = "auto"
-    norm: Literal["reference", "pallas"] = "reference"  # RMSNorm: jnp, or the fused Pallas kernel
+    norm: Literal["reference", "pallas"] = "reference"  # RMSNorm: jnp, or the fused kernel (Triton: the triton extra)
     loss: Literal["reference", "fused"] = "reference"  # cross-entropy: jnp on full logits, or fused with the head
     # The embedding table's gradient (model/embedding.py): scatter (autodiff, atomics in the compute dtype),
     # sorted_segment_sum (sort the ids, sum runs in fp32) or onehot (one GEMM; small vocabularies only).
@@ -117,7 +117,8 @@ class MoEConfig:
     # The dropless exchange over ep (parallel/expert.py): allgather (tokens in, partial outputs reduce-scattered
     # out) or the padded all-to-all; auto: allgather (fewer bytes: meshtrain/resolve.py)
     dispatch: Literal["auto", "allgather", "padded"] = "auto"
-    # The experts' grouped GEMMs; auto: pallas on GPUs (XLA's GPU ragged_dot is a dense dot over all experts).
+    # The experts' grouped GEMMs; auto: pallas (the gmm kernel, Triton: the triton extra) on GPUs where its packages
+    # are, else ragged_dot (XLA's GPU ragged_dot is a dense dot over all experts).
     grouped_matmul: Literal["auto", "ragged_dot", "pallas"] = "auto"
 
     @property

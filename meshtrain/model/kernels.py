@@ -2,7 +2,7 @@
 
 `model.attention=pallas`, `model.norm=pallas` and `model.loss=fused` route here, and cuDNN attention
 inside a pipeline stage. On a CPU the same
-kernels run in Pallas interpret mode (slow; for tests): the caller passes the Execution's `interpret`.
+kernels run interpreted (Triton's interpreter; slow, for tests): the caller passes the Execution's `interpret`.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ Bytes per rank, in units of (ep - 1)·N·D·bytes(dtype): allgather 2 (tokens in
 (A ragged all-to-all would move 2·k/ep, but XLA's GPU ragged all-to-all ran 10x slower than the padded one
 with ep = 2 and its gradients disagreed with the padded exchange's, so it is not offered.)
 The SwiGLU is three grouped matmuls, the rows of local expert x times W[x] (`moe.grouped_matmul`:
-jax.lax.ragged_dot, or the Pallas gmm kernel; XLA lowers ragged_dot on GPUs to a dense dot over all
+jax.lax.ragged_dot, or the gmm kernel of pallas_kernels; XLA lowers ragged_dot on GPUs to a dense dot over all
 local experts, X/ep times the FLOPs and an [X/ep, rows, D] buffer). Every row movement is a
 `gather_rows` with its inverse map, so the backward pass gathers too instead of scatter-adding.
 
@@ -99,8 +99,8 @@ def moe_ffn(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, w_
         policy, x_btd = Precision(policy.param_dtype, jnp.float32), x_btd.astype(jnp.float32)
     local = partial(_local_moe, ep=ep, n_experts=n_experts, policy=policy, capacity_factor=capacity_factor,
                     exchange=exchange if ep > 1 else "local", gemm=grouped_matmul,
-                    tp_specs=_tp_specs(rules) if grouped_matmul == "pallas" and rules.mesh.shape["tp"] > 1 else None)
-    # check_vma off for the kernel: a pallas_call's outputs carry no replication type for the checker.
+                    tp_specs=_tp_specs(rules) if grouped_matmul == "pallas" else None)
+    # check_vma off for the kernel: its outputs (a jax-triton call, a host callback) carry no replication type.
     region = jax.shard_map(local, mesh=rules.mesh, axis_names=set(axes),
                            in_specs=(tokens, tokens, tokens, weights, weights, weights),
                            out_specs=(tokens, tokens), check_vma=grouped_matmul != "pallas")
@@ -141,21 +141,25 @@ def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy:
 
 
 def _tp_specs(rules: ShardingRules) -> tuple:
-    """The expert weights split over tp alone (gate, up, down), for _swiglu_tp's tp-manual region."""
+    """The expert weights split over tp alone (gate, up, down), for _swiglu_tp's region."""
     return tuple(only_axes(rules.spec(names), {"tp"}) for names in (W_IN, W_IN, W_OUT))
 
 
 def _swiglu_tp(rows_rd, group_sizes_x, *, w_specs, w_gate_xdf, w_up_xdf, w_down_xfd, **kw):
-    """_swiglu for the kernel under tp > 1. A pallas_call has no partitioning rule (GSPMD would gather
-    every expert's full width onto each tp rank), so this goes manual over tp as well, Megatron style:
-    rank j runs columns j·F/tp.. of gate/up and the same rows of down on all its rows; the partial
-    outputs are summed over tp."""
+    """_swiglu for the kernel. The kernel has no partitioning rule (GSPMD would gather every expert's
+    full width onto each tp rank), so this goes manual over tp as well, Megatron style: rank j runs
+    columns j·F/tp.. of gate/up and the same rows of down on all its rows; the partial outputs are
+    summed over tp. It is manual over every other axis still automatic too (pp outside a pipeline,
+    whatever size): a host callback, which runs the kernel in Triton's interpreter on the CPU, is
+    allowed only where every mesh axis is manual."""
     def local(rows_rd, sizes_x, wg, wu, wd):
         out_rd = _swiglu(rows_rd, sizes_x, w_gate_xdf=wg, w_up_xdf=wu, w_down_xfd=wd, **kw)
         return jax.lax.psum(out_rd, "tp")
 
     # The context's mesh: inside the token-manual region it is the one with those axes already manual.
-    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), axis_names={"tp"},
+    mesh = jax.sharding.get_abstract_mesh()
+    rest = {a for a in mesh.axis_names if a not in mesh.manual_axes}
+    return jax.shard_map(local, mesh=mesh, axis_names=rest,
                          in_specs=(P(), P(), *w_specs), out_specs=P(),
                          check_vma=False)(rows_rd, group_sizes_x, w_gate_xdf, w_up_xdf, w_down_xfd)
 
