@@ -2,7 +2,11 @@
 
 For each schedule, at pp = --pp over the first pp devices (the 1.36B Llama shape by default):
 
-  step_ms      median train step (warm-up first; data off the clock)
+  step_ms      median train step (warm-up first; data off the clock), each step synchronized
+  b2b_ms       a step's share of as many steps dispatched back to back (as a training loop runs them, and
+               as the peers' logged step times count them)
+  dispatch_ms  how long the host's call of the step lasts (the executor's switches make the host wait for
+               the device: XLA reads each branch index back before launching the branch)
   pipe_ms      the pipeline's share of it: step minus the optimizer update timed alone
   ops          every op the stages run (F, B, W of a first / middle / last chunk), jitted and timed
                alone on one device: the same stages run without the pipeline
@@ -82,10 +86,10 @@ def main() -> None:
         mesh_args = sorted(one - {"mesh.pp=1"}) + [f"mesh.pp={a.pp}", f"pipeline.schedule={kind}",
                                                    f"pipeline.virtual_stages={v}"]
         setup = setup_for(mesh_args, devices)
-        step_ms, compile_s, update = time_step(setup, a.steps, need_update=update_ms is None)
+        step_ms, b2b_ms, dispatch_ms, compile_s, update = time_step(setup, a.steps, need_update=update_ms is None)
         update_ms = update if update is not None else update_ms
         rec = analyse(setup, kind, v, step_ms, update_ms, plain_ms, op_ms)
-        rec.update(compile_s=compile_s, device=devices[0].device_kind, jax=jax.__version__,
+        rec.update(step_ms_back_to_back=b2b_ms, dispatch_ms=dispatch_ms, compile_s=compile_s, device=devices[0].device_kind, jax=jax.__version__,
                    config=common + mesh_args)
         records.append(rec)
         print(json.dumps(rec), flush=True)
@@ -144,7 +148,8 @@ def time_single_device(setup, a):
 
 
 def time_step(setup, steps: int, need_update: bool):
-    """Median train-step time, compile seconds, and (once) the optimizer update alone."""
+    """Median train-step time, back-to-back step time, the host's call of a step, compile seconds, and (once) the
+    optimizer update alone."""
     import jax
     import optax
 
@@ -163,7 +168,7 @@ def time_step(setup, steps: int, need_update: bool):
             return optax.apply_updates(params, updates), opt_state
 
         update_ms = median_ms(jax.jit(update), state.params, state.opt_state, state.params, steps=steps)
-    return run.median_s * 1e3, run.first_s, update_ms
+    return run.median_s * 1e3, run.back_to_back_s * 1e3, run.dispatch_s * 1e3, run.first_s, update_ms
 
 
 def analyse(setup, kind, v, step_ms, update_ms, plain_ms, op_ms) -> dict:
@@ -195,9 +200,10 @@ def analyse(setup, kind, v, step_ms, update_ms, plain_ms, op_ms) -> dict:
 def markdown(records, a, plain_ms, update_ms) -> str:
     head = (f"pp={a.pp}, m={a.microbatches} microbatches of {a.micro_batch}; plain fwd+bwd of one microbatch "
             f"{plain_ms:.2f} ms; optimizer update {update_ms:.2f} ms\n\n"
-            "| schedule | step ms | pipeline ms | bubble measured | lockstep prediction | formula | "
-            "overhead vs plain | ticks | pool slots |\n|---|---|---|---|---|---|---|---|---|")
+            "| schedule | step ms | back to back ms | dispatch ms | pipeline ms | bubble measured | lockstep prediction | formula | "
+            "overhead vs plain | ticks | pool slots |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [f"| {r['schedule']}{' v=2' if r['virtual_stages'] > 1 else ''} | {r['step_ms']:.1f} | "
+            f"{r['step_ms_back_to_back']:.1f} | {r['dispatch_ms']:.1f} | "
             f"{r['pipe_ms']:.1f} | {r['bubble_measured']:.3f} | {r['bubble_lockstep']:.3f} | "
             f"{r['bubble_formula']:.3f} | {r['overhead_vs_plain']:.3f} | {r['ticks']} | {r['pool_slots']} |"
             for r in records]

@@ -45,11 +45,13 @@ def main() -> None:
     peak = peak_flops(jax.devices()[0])
     ndev = jax.device_count()
     rec = dict(label=a.label, overrides=a.overrides, params=n, step_ms=dt * 1e3, step_ms_min=min(times) * 1e3,
+               step_ms_back_to_back=run.back_to_back_s * 1e3, dispatch_ms=run.dispatch_s * 1e3,
                tokens_per_s=tokens / dt, mfu=flops / dt / ndev / peak if peak else None,
                compile_s=compile_s, loss=float(m["loss"]), device=jax.devices()[0].device_kind,
                jax=jax.__version__, **memory_in_use())
     mfu = f"MFU {rec['mfu'] * 100:.1f}%" if rec["mfu"] else ""
     print(f"meshtrain {a.label} params {n / 1e9:.3f}B compile+first {compile_s:.1f}s step {dt * 1e3:.1f} ms "
+          f"(back to back {run.back_to_back_s * 1e3:.1f} ms) "
           f"tok/s {tokens / dt:,.0f} {mfu} peak_mem {rec.get('peak_mem_gib', 0):.1f} GiB loss {rec['loss']:.3f}",
           flush=True)
     if a.out:

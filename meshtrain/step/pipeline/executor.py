@@ -33,9 +33,18 @@ microbatches' chunk activations, as the memory estimate counts them:
     W  dy, stash[slot] → dW accumulated (split schedules)
     the last chunk: F does nothing, B runs chunk, head, loss and backward at once and sends dx back
 
-The branches update the stash and the gradient accumulators themselves: on the GPU that measured
-faster (1F1B at pp=2: 333 against 365 ms) than returning what they made and adding it after the switch,
-which costs zeros for every field a branch does not make.
+The stash is a list of slots, each a list of buffers, and every branch names its slot statically (a
+branch per op kind, chunk position and slot): F's chunk forward writes its pullback straight into its
+slot's buffers and B hands them to its backward where they are. With the slot as a traced index, F
+copied every kept leaf into the stash and B copied it out again (2x H100, llama1b, pp=2, m=8: 1F1B
+312 -> 293 ms). Each lane runs two switches, one over the ops that fill the stash (F) and one over
+those that spend it (B, W): a branch that hands a stash buffer to its backward's loop and also passes
+the stash on as the switch's result makes the compiler copy the whole stash at every tick (zb_h1,
+one lane: 508 ms with one switch, 377 with two). The branches update the stash and the gradient
+accumulators in place: on the GPU that measured faster (1F1B at pp=2, before the static slots: 310
+against 348 ms in one call) than returning what they made and adding it after the switch, which costs
+zeros for every field a branch does not make (the CPU's compiler, unlike the GPU's, copies operands a
+branch passes through).
 
 What this costs against the formula (F = 1, B = 2; or B = W = 1 split): the program's ticks cost
 the schedule's makespan in those units (ticks.py: `makespan`). The last chunk's F and B run as one
@@ -60,7 +69,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.data import Batch
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
-from meshtrain.step.pipeline.ticks import IDLE, TRANSFER_SCOPE, TickTables, tick_tables
+from meshtrain.step.pipeline.ticks import B, F, LAST, TRANSFER_SCOPE, W, TickTables, tick_tables
 from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
 from meshtrain.step.state import Setup
 
@@ -88,6 +97,8 @@ def permute_blocks(tree: Any, order: np.ndarray) -> Any:
 
 
 # --------------------------------------------------------------------------- the executor
+
+NO_SLOT = -1  # an op that neither fills nor spends the stash
 
 
 def index(tree, i):
@@ -118,7 +129,12 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     rows = k // (cfg.moe.every if cfg.moe.enabled else 1)
     order = stage_order(schedule.kind, p, v)
     inverse = np.argsort(order)
-    lane_branches = [_branch_table(ticks, lane) for lane in range(ticks.n_lanes)]
+    # Per lane, one switch over the ops that fill the stash (F) and one over those that spend it (B, W), each
+    # left out where the lane runs none of its ops. A branch that hands a stash buffer to its chunk's backward
+    # must not also pass the stash on as the switch's result, or the compiler copies the whole stash per tick:
+    # a switch whose branches only read the stash passes nothing of it out.
+    lane_switches = [[table for table in (_branch_table(ticks, lane, kinds) for kinds in ((F,), (B, W))) if table[1]]
+                     for lane in range(ticks.n_lanes)]
 
     def stage_program(layers, shared, batch: Batch, scale):
         # Inside, pp is a manual axis: the model's sharding annotations name the other axes of this
@@ -131,8 +147,10 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
                                                  (index(weights_vk, 0), pool[0], index(batch, 0)))
-        # One [n_stash_slots, ...] buffer per kept leaf of a chunk's pullback.
-        stash = [jnp.zeros((max(ticks.n_stash_slots, 1), *a.shape), a.dtype) for a in stash_of.kept]
+        # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
+        # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
+        # slot picked by a traced index would copy every leaf into the slot at F and out of it at B.
+        stash = [[jnp.zeros(a.shape, a.dtype) for a in stash_of.kept] for _ in range(max(ticks.n_stash_slots, 1))]
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. [v, k] replaces the pp-sharded layer axis.
@@ -142,18 +160,17 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         g_shared_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, sh.spec),
                                    {name: setup.grad_shardings[name] for name in shared})
 
-        def op(kind, pos):
-            """The switch branch running ops[kind, pos]: (carry, me) -> (carry, message)."""
+        def op(kind, pos, slot):
+            """The switch branch running ops[kind, pos] on stash slot `slot`: (carry, me) -> (carry, message)."""
 
             def branch(carry, me):
                 pool, stash, g_layers, g_shared, sums = carry
                 c = me["chunk"]
                 out = ops[kind, pos](index(weights_vk, c), shared, index(pool, me["x_slot"]),
                                      index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale,
-                                     index(stash, me["stash_slot"]))
+                                     stash[slot] if slot != NO_SLOT else [])
                 if out.kept is not None:
-                    stash = [lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
-                             for buf, a in zip(stash, out.kept)]
+                    stash = [*stash[:slot], list(out.kept), *stash[slot + 1:]]
                 if out.d_layers is not None:  # accumulate into this chunk's rows
                     g_layers = jax.tree.map(lambda acc, d: accumulate_chunk(acc, d.astype(acc.dtype), c),
                                             g_layers, out.d_layers)
@@ -172,8 +189,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         def idle(carry, me):
             return carry, jnp.zeros(pool.shape[1:], pool.dtype)
 
-        # Per lane, only the (kind, position) pairs that lane runs: an unused op is never compiled.
-        branches = [[idle] + [op(kind, pos) for kind, pos in pairs] for _, pairs in lane_branches]
+        # Per switch, only the (kind, position, slot) triples it runs: an unused op is never compiled.
+        branches = [[[idle] + [op(*triple) for triple in triples] for _, triples in switches]
+                    for switches in lane_switches]
         nothing = jnp.zeros(pool.shape[1:], pool.dtype)
 
         def tick(carry, row):
@@ -181,7 +199,10 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             outs = []
             for lane, lane_row in enumerate(lanes):  # in order: lane 0's F before lane 1's B
                 me = {name: col[stage] for name, col in lane_row.items()}
-                carry, out = lax.switch(me["branch"], branches[lane], carry, me)
+                out = nothing
+                for i, switch in enumerate(branches[lane]):  # a lane runs one op a tick: one switch is not idle
+                    carry, made = lax.switch(me["branch"][i], switch, carry, me)
+                    out = made if len(branches[lane]) == 1 else jnp.where(me["branch"][i] > 0, made, out)
                 outs.append(out)
             link = {name: col[stage] for name, col in links.items()}
             # At most one message per link per stage and tick (ticks.py): pick the lane it comes from.
@@ -202,7 +223,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         carry = (pool, stash, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
-                           "branch": jnp.asarray(branch_of)} for lane, (branch_of, _) in enumerate(lane_branches))
+                           "branch": jnp.asarray(np.stack([branch_of for branch_of, _ in switches], axis=-1))}
+                          for lane, switches in enumerate(lane_switches))
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
         (_, _, g_layers, g_shared, sums), _ = lax.scan(tick, carry, (lane_rows, link_rows))
         g_layers = jax.tree.map(lambda a: a.reshape(v * rows, *a.shape[2:]), g_layers)
@@ -229,14 +251,19 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     return grad_fn
 
 
-def _branch_table(ticks: TickTables, lane: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Number the (op kind, chunk position) pairs that `lane` runs, 1.. (0 is idle): [T, S] branch
-    indices and the pairs in branch order."""
-    kind, position = ticks.kind[:, :, lane], ticks.position[:, :, lane]
-    pairs = sorted({(int(kd), int(ps)) for kd, ps in zip(kind.ravel(), position.ravel()) if kd != IDLE})
-    index = {pair: i + 1 for i, pair in enumerate(pairs)}
+def _branch_table(ticks: TickTables, lane: int, kinds: tuple[int, ...]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Number the (op kind, chunk position, stash slot) triples of `kinds` that `lane` runs, 1.. (0: idle, or an
+    op of another kind): [T, S] branch indices and the triples in branch order. The slot is NO_SLOT for ops that
+    neither fill nor spend the stash (the last chunk's)."""
+    kind, position, slot = (getattr(ticks, name)[:, :, lane] for name in ("kind", "position", "stash_slot"))
+
+    def triple(t: int, s: int) -> tuple[int, int, int]:
+        return int(kind[t, s]), int(position[t, s]), int(slot[t, s]) if position[t, s] != LAST else NO_SLOT
+
+    triples = sorted({triple(t, s) for (t, s), kd in np.ndenumerate(kind) if kd in kinds})
+    index = {tr: i + 1 for i, tr in enumerate(triples)}
     table = np.zeros_like(kind)
     for (t, s), kd in np.ndenumerate(kind):
-        if kd != IDLE:
-            table[t, s] = index[(int(kd), int(position[t, s]))]
-    return table, pairs
+        if kd in kinds:
+            table[t, s] = index[triple(t, s)]
+    return table, triples
