@@ -171,3 +171,43 @@ def assert_attention_grad_prints_no_deprecation(attention, capfd) -> None:
                    zip(keys, [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128), (1, 256, 4, 128)]))
     loss = lambda q, k, v: jnp.vdot(attention(q, k, v).astype(jnp.float32), do.astype(jnp.float32))  # noqa: E731
     assert_grad_prints_no_deprecation(loss, (q, k, v), capfd)
+
+
+# ------------------------------------------------------------- Triton kernels compiled for an H100
+
+# Runs in a fresh process: Triton's interpreter, which the kernels' CPU tests turn on, is a mode of the whole
+# process. jax-triton's `triton_call` is stubbed by one that compiles the kernel for an H100 (sm_90, down to
+# a cubin: Triton ships its own LLVM and ptxas) with the signature and constexprs the launcher hands it.
+_COMPILE_FOR_SM90 = """
+import sys, types
+import jax, jax.numpy as jnp, triton
+from triton.backends.compiler import GPUTarget
+
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32"}
+compiled = []
+
+def triton_call(*args, kernel, out_shape, grid, name, num_warps, num_stages, **constexprs):
+    signature = {a: "*" + TRITON_TYPES[str(x.dtype)] for a, x in zip(kernel.arg_names, [*args, *out_shape])}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    src = triton.compiler.ASTSource(kernel, signature,
+                                    constexprs={(kernel.arg_names.index(a),): v for a, v in constexprs.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled.append(name)
+    return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+sys.modules["jax_triton"] = types.SimpleNamespace(triton_call=triton_call)
+"""
+
+
+def compile_for_sm90(body: str, dtype: str) -> list[str]:
+    """Run `body` after a prelude that stubs jax-triton's `triton_call` by Triton's compiler for sm_90, in a
+    fresh CPU-only process (no TRITON_INTERPRET) with `dtype` as sys.argv[1]; `body` lowers the kernels'
+    compiled path (interpret=False) and ends with `print("compiled:", *compiled)`. Returns the names of the
+    kernels compiled, in order."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90 + body, dtype], cwd=Path(__file__).parents[1],
+                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    words = proc.stdout.split()
+    assert words[:1] == ["compiled:"], proc.stdout
+    return words[1:]

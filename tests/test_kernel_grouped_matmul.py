@@ -6,17 +6,13 @@ bf16/fp16 1e-2 (outputs and gradients rounded once to 8/11 mantissa bits, plus t
 the input dtype before the backward kernels).
 """
 import functools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_grad_prints_no_deprecation
+from helpers import assert_grad_prints_no_deprecation, compile_for_sm90
 from pallas_kernels import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 
 # 16-wide tiles so that the small shapes below still span several tiles in every dim.
@@ -111,27 +107,8 @@ def test_bad_arguments_raise():
         GroupedMatmulBlockSizes(block_k=24)
 
 
-# Runs in a fresh process: Triton's interpreter, which the tests above turned on, is a mode of the whole
-# process. jax-triton's `triton_call` is stubbed by one that compiles the kernel for an H100 (sm_90, down to
-# a cubin: Triton ships its own LLVM and ptxas) with the signature and constexprs the launcher hands it.
-_COMPILE_FOR_SM90 = """
-import sys, types
-import jax, jax.numpy as jnp, triton
-from triton.backends.compiler import GPUTarget
-
-TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32"}
-compiled = []
-
-def triton_call(*args, kernel, out_shape, grid, name, num_warps, num_stages, **constexprs):
-    signature = {a: "*" + TRITON_TYPES[str(x.dtype)] for a, x in zip(kernel.arg_names, [*args, *out_shape])}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    src = triton.compiler.ASTSource(kernel, signature,
-                                    constexprs={(kernel.arg_names.index(a),): v for a, v in constexprs.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-    compiled.append(name)
-    return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
-
-sys.modules["jax_triton"] = types.SimpleNamespace(triton_call=triton_call)
+# The compiled path lowered in a fresh process, each kernel compiled by Triton for an H100 (helpers.compile_for_sm90).
+_LOWER_GMM = """
 from pallas_kernels import gmm
 
 m, k, n, g, dtype = 1000, 200, 96, 8, jnp.dtype(sys.argv[1])  # nothing a tile multiple
@@ -149,11 +126,8 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
     """The compiled path (interpret=False) through the launcher, each kernel compiled by Triton for an H100
     from the CPU: catches an operation, type or shape Triton's compiler rejects before a GPU ever sees it.
     Three kernels: gmm forward, gmm for d_lhs (rhs read transposed), tgmm for d_rhs."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, dtype], cwd=Path(__file__).parents[1],
-                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["compiled:", "gmm_kernel", "gmm_kernel", "tgmm_kernel"], proc.stdout
+    compiled = compile_for_sm90(_LOWER_GMM, dtype)
+    assert compiled == ["gmm_kernel", "gmm_kernel", "tgmm_kernel"], compiled
 
 
 @pytest.mark.gpu

@@ -6,17 +6,13 @@ bf16 1e-2 (the kernel adds ds to dx in fp32 and rounds once; the reference round
 gradient and the sum separately: one extra bf16 rounding, 2^-8 relative).
 """
 import functools
-import os
-import subprocess
-import sys
-import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_grad_prints_no_deprecation, compile_for_sm90
 from pallas_kernels import RmsNormBlockSizes, rms_norm, rms_norm_reference
 
 # The default backward scheme (persistent grid, prefetch) at a small size: 12 chunks of 4 rows
@@ -117,27 +113,8 @@ def test_bad_arguments_raise():
         RmsNormBlockSizes(prefetch_bwd=1)
 
 
-# Runs in a fresh process: Triton's interpreter, which the tests above turned on, is a mode of the whole
-# process. jax-triton's `triton_call` is stubbed by one that compiles the kernel for an H100 (sm_90, down to
-# a cubin: Triton ships its own LLVM and ptxas) with the signature and constexprs the launcher hands it.
-_COMPILE_FOR_SM90 = """
-import sys, types
-import jax, jax.numpy as jnp, triton
-from triton.backends.compiler import GPUTarget
-
-TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-compiled = []
-
-def triton_call(*args, kernel, out_shape, grid, name, num_warps, num_stages, **constexprs):
-    signature = {a: "*" + TRITON_TYPES[str(x.dtype)] for a, x in zip(kernel.arg_names, [*args, *out_shape])}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    src = triton.compiler.ASTSource(kernel, signature,
-                                    constexprs={(kernel.arg_names.index(a),): v for a, v in constexprs.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-    compiled.append(name)
-    return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
-
-sys.modules["jax_triton"] = types.SimpleNamespace(triton_call=triton_call)
+# The compiled path lowered in a fresh process, each kernel compiled by Triton for an H100 (helpers.compile_for_sm90).
+_LOWER_RMS_NORM = """
 from pallas_kernels import RmsNormBlockSizes, rms_norm
 
 dtype, x = jnp.dtype(sys.argv[1]), jax.ShapeDtypeStruct((4000, 2000), jnp.dtype(sys.argv[1]))
@@ -158,11 +135,8 @@ def test_compiles_for_sm90_without_a_gpu(dtype):
     from the CPU: catches an operation, type or shape Triton's compiler rejects, which the interpreter
     accepts, before a GPU ever sees it. Forward and backward, with and without a residual, for the
     persistent prefetching backward (the default) and the grid backward without prefetch."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, dtype], cwd=Path(__file__).parents[1],
-                          env={**env, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["compiled:", *["rms_norm_fwd", "rms_norm_bwd"] * 4], proc.stdout
+    compiled = compile_for_sm90(_LOWER_RMS_NORM, dtype)
+    assert compiled == ["rms_norm_fwd", "rms_norm_bwd"] * 4, compiled
 
 
 @pytest.mark.gpu
@@ -197,9 +171,12 @@ def test_gpu_path_prints_no_deprecation_warning(with_res, capfd):
     ks = jax.random.split(jax.random.PRNGKey(5), 5)
     x, r, dy, ds = (jax.random.normal(k, (256, 512), jnp.float32).astype(jnp.bfloat16) for k in ks[:4])
     w = (1.0 + 0.2 * jax.random.normal(ks[4], (512,))).astype(jnp.bfloat16)
-    cts = (dy, ds) if with_res else dy
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        jax.block_until_ready(_run(rms_norm, x, r, w, cts, with_res))
-    assert not [m for m in caught if issubclass(m.category, DeprecationWarning)], [str(m.message) for m in caught]
-    assert "deprecat" not in capfd.readouterr().err.lower()
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    if with_res:  # outputs (y, s): the loss pairs each with its cotangent
+        def loss(x, r, w):
+            y, s = rms_norm(x, w, residual=r)
+            return jnp.vdot(f32(y), f32(dy)) + jnp.vdot(f32(s), f32(ds))
+        assert_grad_prints_no_deprecation(loss, (x, r, w), capfd)
+    else:
+        loss = lambda x, w: jnp.vdot(f32(rms_norm(x, w)), f32(dy))  # noqa: E731
+        assert_grad_prints_no_deprecation(loss, (x, w), capfd)

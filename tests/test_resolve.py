@@ -115,21 +115,29 @@ def test_the_planner_decides_for_a_machine_with_the_kernel_packages(monkeypatch)
     assert resolve(cfg, degrees, "gpu", packages_here=False).attention_kernel == "triton"
 
 
-def test_the_fused_norm_needs_the_triton_packages_where_it_runs(monkeypatch):
-    """model.norm=pallas runs Triton kernels: jax-triton and triton on a GPU, triton for the CPU's interpreter.
-    Without them it is one config error naming the field and the install line; the planner assumes them, and
-    the default (the jnp norm) needs neither."""
+@pytest.fixture
+def triton_packages(monkeypatch) -> set[str]:
+    """The set of the Triton packages importlib.util.find_spec reports installed, whatever this machine has:
+    both at first; the test removes from it those it wants missing."""
     import importlib.util
 
     real, there = importlib.util.find_spec, {"triton", "jax_triton"}
 
-    def find_spec(name, *args, **kwargs):  # the two packages as `there` says, whatever this machine has
+    def find_spec(name, *args, **kwargs):
         root = name.split(".")[0]
         if root not in ("triton", "jax_triton"):
             return real(name, *args, **kwargs)
         return object() if root in there else None
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    return there
+
+
+def test_the_fused_norm_needs_the_triton_packages_where_it_runs(triton_packages):
+    """model.norm=pallas runs Triton kernels: jax-triton and triton on a GPU, triton for the CPU's interpreter.
+    Without them it is one config error naming the field and the install line; the planner assumes them, and
+    the default (the jnp norm) needs neither."""
+    there = triton_packages
     cfg = tiny_config("precision.compute=bfloat16", "model.norm=pallas")
     degrees = dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1)
     assert resolve(cfg, degrees, "gpu").norm == "pallas"
@@ -146,21 +154,11 @@ def test_the_fused_norm_needs_the_triton_packages_where_it_runs(monkeypatch):
     assert resolve(tiny_config("precision.compute=bfloat16"), degrees, "gpu").norm == "reference"
 
 
-def test_the_moe_gemm_kernel_needs_the_triton_packages_where_it_runs(monkeypatch):
+def test_the_moe_gemm_kernel_needs_the_triton_packages_where_it_runs(triton_packages):
     """moe.grouped_matmul=pallas runs the gmm Triton kernels: jax-triton and triton on a GPU, triton for the CPU's
     interpreter. Without them an explicit choice is one config error naming the field and the install line, and
     auto on a GPU takes XLA's ragged_dot; the planner assumes them."""
-    import importlib.util
-
-    real, there = importlib.util.find_spec, {"triton", "jax_triton"}
-
-    def find_spec(name, *args, **kwargs):  # the two packages as `there` says, whatever this machine has
-        root = name.split(".")[0]
-        if root not in ("triton", "jax_triton"):
-            return real(name, *args, **kwargs)
-        return object() if root in there else None
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    there = triton_packages
     degrees = dict(pp=1, dp=1, fsdp=1, ep=2, cp=1, sp=1, tp=1)
     auto = tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16")
     explicit = tiny_config("model.preset=tiny_moe", "precision.compute=bfloat16", "moe.grouped_matmul=pallas")
