@@ -23,7 +23,9 @@ from meshtrain.step.train_step import make_train_step
 
 STEPS = 3
 EOS = 71  # the synthetic corpus's most frequent token: a third of the rows hold a document boundary
-DOCS = ("data.document_mask=true", f"data.eos_id={EOS}")
+# Every case masks documents, on half the tiny model's batch (8 rows, 2 to 8 on each device): the interpreted
+# Pallas kernels launch a program per row of a device's shard, and the other cases cost the same whatever the batch.
+DATA = ("data.document_mask=true", f"data.eos_id={EOS}", "train.global_batch=8")
 
 CASES = {
     "cp2_fsdp4_zero3": ("mesh.cp=2", "mesh.fsdp=4", "train.zero_stage=3"),
@@ -58,9 +60,9 @@ class Runs(dict):
 
     def __missing__(self, name):
         if name == "reference":
-            self[name] = run(make_setup(single_device(tiny_config(*DOCS)), 1), grads=True)
+            self[name] = run(make_setup(single_device(tiny_config(*DATA)), 1), grads=True)
         else:
-            self[name] = run(make_setup(tiny_config(*CASES[name], *DOCS), 8), grads=name in GRADIENT_CASES,
+            self[name] = run(make_setup(tiny_config(*CASES[name], *DATA), 8), grads=name in GRADIENT_CASES,
                              n_steps=1 if name in ONE_STEP_CASES else STEPS)
         return self[name]
 
@@ -72,7 +74,7 @@ def runs():
 
 def test_reference_learns_on_documents(runs):
     """Equal losses prove little unless the reference learns and its batches hold document boundaries."""
-    segment_ids = make_batches(make_setup(single_device(tiny_config(*DOCS)), 1)).local_fields(0)["segment_ids"]
+    segment_ids = make_batches(make_setup(single_device(tiny_config(*DATA)), 1)).local_fields(0)["segment_ids"]
     assert (segment_ids.max(axis=1) > 0).any(), "no row holds a document boundary"
     losses = runs["reference"]["losses"]
     assert losses[-1] < losses[0] - 0.1
@@ -87,8 +89,8 @@ def test_matches_single_device(case, runs):
 
 
 def test_zigzag_and_contiguous_layouts_give_the_same_loss(runs):
-    zig = make_batches(make_setup(tiny_config(*CASES["cp4_dp2"], *DOCS), 8)).local_fields(0)["tokens"]
-    con = make_batches(make_setup(tiny_config(*CASES["cp4_dp2_contiguous"], *DOCS), 8)).local_fields(0)["tokens"]
+    zig = make_batches(make_setup(tiny_config(*CASES["cp4_dp2"], *DATA), 8)).local_fields(0)["tokens"]
+    con = make_batches(make_setup(tiny_config(*CASES["cp4_dp2_contiguous"], *DATA), 8)).local_fields(0)["tokens"]
     assert not np.array_equal(zig, con), "the two layouts must order the sequence differently"
     np.testing.assert_allclose(runs["cp4_dp2"]["losses"], runs["cp4_dp2_contiguous"]["losses"], rtol=1e-5)
 
@@ -102,7 +104,7 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
 
 
 def test_ring_program_moves_kv_by_collective_permutes_over_cp_only(runs):
-    setup = make_setup(tiny_config(*CASES["cp4_dp2"], *DOCS), 8)
+    setup = make_setup(tiny_config(*CASES["cp4_dp2"], *DATA), 8)
     found = collectives(runs["cp4_dp2"]["hlo"])
     kinds = {k for k, _ in found}
     assert "collective-permute" in kinds
@@ -155,7 +157,7 @@ def test_config_errors(overrides, expected):
 
 def test_valid_layouts_pass_validation():
     for overrides in CASES.values():
-        validate(tiny_config(*overrides, *DOCS), 8)
+        validate(tiny_config(*overrides, *DATA), 8)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"])

@@ -18,23 +18,29 @@ import pytest
 from helpers import CLI_TINY, cli_env, logged_losses, run_cli
 
 MESH_A = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2"]
-SIX = ["train.steps=6", "train.schedule_steps=6"]
+# One learning-rate schedule for every run, as long as the longest (test_sigterm_saves_and_stops): its length is
+# compiled into the step, so the runs on a mesh share one compiled program through the session's compilation
+# cache instead of each schedule compiling its own.
+SCHEDULE = "train.schedule_steps=400"
+SIX = ["train.steps=6", SCHEDULE]
+TWENTY = ["train.steps=20", SCHEDULE]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """20 steps without a stop; the runs stopped and resumed compare their steps (up to 6 or 20) with these."""
     run_dir = tmp_path_factory.mktemp("full")
-    run_cli(*MESH_A, *SIX, f"run.dir={run_dir}")
+    run_cli(*MESH_A, *TWENTY, f"run.dir={run_dir}")
     losses = logged_losses(run_dir)
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert sorted(losses) == list(range(1, 21))
     return losses
 
 
 @pytest.fixture(scope="module")
 def stopped_at_3(tmp_path_factory):
-    """A run of the 6-step schedule stopped after step 3 with a checkpoint there."""
+    """A run of the shared schedule stopped after step 3 with a checkpoint there."""
     run_dir = tmp_path_factory.mktemp("stopped")
-    run_cli(*MESH_A, "train.steps=3", "train.schedule_steps=6", "checkpoint.every=3", f"run.dir={run_dir}")
+    run_cli(*MESH_A, "train.steps=3", SCHEDULE, "checkpoint.every=3", f"run.dir={run_dir}")
     assert (run_dir / "checkpoints" / "3").is_dir()
     return run_dir
 
@@ -78,14 +84,10 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_process_killed_while_saving_resumes_from_last_commit(tmp_path):
+def test_process_killed_while_saving_resumes_from_last_commit(uninterrupted, tmp_path):
     """SIGKILL a run that saves every step; the restart continues from the last committed step and
     matches an uninterrupted run bitwise from there on."""
-    steps = ["train.steps=20", "train.schedule_steps=20"]
-    full_dir = tmp_path / "full"
-    run_cli(*MESH_A, *steps, f"run.dir={full_dir}")
-    full = logged_losses(full_dir)
-
+    steps, full = TWENTY, uninterrupted
     killed_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "meshtrain.run", *CLI_TINY, *MESH_A, *steps, "checkpoint.every=1",
            "checkpoint.keep=2", f"run.dir={killed_dir}"]
@@ -112,7 +114,7 @@ def test_process_killed_while_saving_resumes_from_last_commit(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_and_stops(tmp_path):
     """Preemption: SIGTERM makes the run save the step it reached and exit 0; a restart resumes there."""
-    steps = ["train.steps=400", "train.schedule_steps=400"]
+    steps = ["train.steps=400", SCHEDULE]
     cmd = [sys.executable, "-m", "meshtrain.run", *CLI_TINY, *MESH_A, *steps, "checkpoint.every=1000",
            f"run.dir={tmp_path}"]
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -126,7 +128,7 @@ def test_sigterm_saves_and_stops(tmp_path):
     stopped = int(re.search(r"stopped by signal after step (\d+)", out).group(1))
     assert 3 <= stopped < 400
     assert committed_steps(tmp_path / "checkpoints") == [stopped]
-    out = run_cli(*MESH_A, f"train.steps={stopped + 2}", "train.schedule_steps=400", f"run.dir={tmp_path}").stdout
+    out = run_cli(*MESH_A, f"train.steps={stopped + 2}", SCHEDULE, f"run.dir={tmp_path}").stdout
     assert f"resumed from step {stopped}" in out
     assert max(logged_losses(tmp_path)) == stopped + 2
 
