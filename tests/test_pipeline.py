@@ -114,6 +114,20 @@ def save(directory, state, setup) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_schedule_matches_single_device(case, reference):
+    check_case(case, reference)
+
+
+def test_stash_slots_by_traced_index_match_single_device(reference, monkeypatch):
+    """Past executor.MAX_STATIC_SLOTS (AFAB at many microbatches) the stash slot is a traced index, not a branch
+    of its own: the same schedule, every slot that way, against one device."""
+    from meshtrain.step.pipeline import executor
+
+    monkeypatch.setattr(executor, "MAX_STATIC_SLOTS", 0)
+    check_case("afab-pp2-dp4", reference)
+
+
+def check_case(case: str, reference: dict) -> None:
+    """CASES[case] on 8 devices: first-step gradients and the losses at the reference's parameters."""
     model = []
     if case in FIRST_STEP_ONLY:
         reference = first_step_reference(reference, FIRST_STEP_ONLY[case])

@@ -34,7 +34,8 @@ microbatches' chunk activations, as the memory estimate counts them:
     the last chunk: F does nothing, B runs chunk, head, loss and backward at once and sends dx back
 
 The stash is a list of slots, each a list of buffers, and every branch names its slot statically (a
-branch per op kind, chunk position and slot): F's chunk forward writes its pullback straight into its
+branch per op kind, chunk position and slot; up to MAX_STATIC_SLOTS slots, past which the slot is a traced
+index again): F's chunk forward writes its pullback straight into its
 slot's buffers and B hands them to its backward where they are. With the slot as a traced index, F
 copied every kept leaf into the stash and B copied it out again (2x H100, llama1b, pp=2, m=8: 1F1B
 312 -> 293 ms). Each lane runs two switches, one over the ops that fill the stash (F) and one over
@@ -98,7 +99,13 @@ def permute_blocks(tree: Any, order: np.ndarray) -> Any:
 
 # --------------------------------------------------------------------------- the executor
 
-NO_SLOT = -1  # an op that neither fills nor spends the stash
+NO_SLOT = -1  # an op that neither fills nor spends the stash, or one that finds its slot by a traced index
+# Up to this many stash slots, every slot has branches of its own (module docstring): each slot compiles the
+# chunk's forward and backward once more. AFAB holds all m microbatches (at m=32, 32 slots: its program took
+# 157 s to compile on a 2-core CPU), so past it the slot is a traced index and the stash is copied into and
+# out of its slot, as every schedule did before the static slots. 1F1B holds at most 2p-1, zb_h1 and
+# interleaved a few per stage.
+MAX_STATIC_SLOTS = 8
 
 
 def index(tree, i):
@@ -133,8 +140,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     # left out where the lane runs none of its ops. A branch that hands a stash buffer to its chunk's backward
     # must not also pass the stash on as the switch's result, or the compiler copies the whole stash per tick:
     # a switch whose branches only read the stash passes nothing of it out.
-    lane_switches = [[table for table in (_branch_table(ticks, lane, kinds) for kinds in ((F,), (B, W))) if table[1]]
-                     for lane in range(ticks.n_lanes)]
+    static = ticks.n_stash_slots <= MAX_STATIC_SLOTS
+    lane_switches = [[table for table in (_branch_table(ticks, lane, kinds, static) for kinds in ((F,), (B, W)))
+                      if table[1]] for lane in range(ticks.n_lanes)]
 
     def stage_program(layers, shared, batch: Batch, scale):
         # Inside, pp is a manual axis: the model's sharding annotations name the other axes of this
@@ -149,8 +157,11 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                                                  (index(weights_vk, 0), pool[0], index(batch, 0)))
         # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
         # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
-        # slot picked by a traced index would copy every leaf into the slot at F and out of it at B.
-        stash = [[jnp.zeros(a.shape, a.dtype) for a in stash_of.kept] for _ in range(max(ticks.n_stash_slots, 1))]
+        # slot picked by a traced index would copy every leaf into the slot at F and out of it at B. Past
+        # MAX_STATIC_SLOTS: one [n_slots, ...] buffer per kept leaf, and the slot a traced index.
+        n_stash = max(ticks.n_stash_slots, 1)
+        stash = ([[jnp.zeros(a.shape, a.dtype) for a in stash_of.kept] for _ in range(n_stash)] if static else
+                 [jnp.zeros((n_stash, *a.shape), a.dtype) for a in stash_of.kept])
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. [v, k] replaces the pp-sharded layer axis.
@@ -166,11 +177,14 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             def branch(carry, me):
                 pool, stash, g_layers, g_shared, sums = carry
                 c = me["chunk"]
+                kept = (stash[slot] if slot != NO_SLOT else []) if static else index(stash, me["stash_slot"])
                 out = ops[kind, pos](index(weights_vk, c), shared, index(pool, me["x_slot"]),
-                                     index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale,
-                                     stash[slot] if slot != NO_SLOT else [])
-                if out.kept is not None:
+                                     index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale, kept)
+                if out.kept is not None and static:
                     stash = [*stash[:slot], list(out.kept), *stash[slot + 1:]]
+                elif out.kept is not None:
+                    stash = [lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
+                             for buf, a in zip(stash, out.kept)]
                 if out.d_layers is not None:  # accumulate into this chunk's rows
                     g_layers = jax.tree.map(lambda acc, d: accumulate_chunk(acc, d.astype(acc.dtype), c),
                                             g_layers, out.d_layers)
@@ -251,14 +265,15 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     return grad_fn
 
 
-def _branch_table(ticks: TickTables, lane: int, kinds: tuple[int, ...]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+def _branch_table(ticks: TickTables, lane: int, kinds: tuple[int, ...], static: bool
+                  ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """Number the (op kind, chunk position, stash slot) triples of `kinds` that `lane` runs, 1.. (0: idle, or an
     op of another kind): [T, S] branch indices and the triples in branch order. The slot is NO_SLOT for ops that
-    neither fill nor spend the stash (the last chunk's)."""
+    neither fill nor spend the stash (the last chunk's), and for every op when the slots are not `static`."""
     kind, position, slot = (getattr(ticks, name)[:, :, lane] for name in ("kind", "position", "stash_slot"))
 
     def triple(t: int, s: int) -> tuple[int, int, int]:
-        return int(kind[t, s]), int(position[t, s]), int(slot[t, s]) if position[t, s] != LAST else NO_SLOT
+        return int(kind[t, s]), int(position[t, s]), int(slot[t, s]) if static and position[t, s] != LAST else NO_SLOT
 
     triples = sorted({triple(t, s) for (t, s), kd in np.ndenumerate(kind) if kd in kinds})
     index = {tr: i + 1 for i, tr in enumerate(triples)}
