@@ -7,10 +7,10 @@ Megatron TP run within each stage as they do without the pipeline.
 
 Who holds what:
   layers      the stacked [L, ...] block params, `layers` sharded over pp. Stage s holds its v
-              chunks of k = L/(p·v) layers. For v = 1 that is the stored contiguous shard; for
-              interleaved / dualpipe_v the stack is permuted into the stage layout at the start
-              of the step and the gradients back at its end (one all-to-all of the stack over
-              pp each way), so the saved tree is the same for every pp.
+              chunks of k = L/(p·v) layers, one tree per chunk. For v = 1 that is the stored
+              contiguous shard; for interleaved / dualpipe_v the blocks that change stage are
+              sent there at the start of the step and their gradients back at its end
+              (layout.py), so the saved tree is the same for every pp.
   embedding,  replicated over pp (they are small next to the stack). Only the stages holding
   final_norm, the first / last virtual stage touch them; at the end one psum over pp adds the
   lm_head     stages' gradients (the embedding's two uses add up when it is tied to the head),
@@ -53,7 +53,7 @@ op of 3 units at its B, which 1F1B places in the same tick anyway. Split B and W
 through the whole chunk (W's weight gradients need the input gradients flowing back through the
 layers after them), so a split microbatch costs about F + 1 + 2 units, where it would cost F + 2.
 Every tick sends one [b, T, D] message each way, whether or not a stage has one. Interleaved and
-dualpipe_v add the stack permutation per step; the embedding/head psum adds one all-reduce of those
+dualpipe_v add the exchange of the blocks that change stage per step; the embedding/head psum adds one all-reduce of those
 parameters over pp per step.
 """
 from __future__ import annotations
@@ -71,30 +71,9 @@ from meshtrain.data import Batch
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
 from meshtrain.step.pipeline.ticks import B, F, LAST, TRANSFER_SCOPE, W, TickTables, tick_tables
-from meshtrain.step.pipeline.schedules import make_schedule, virtual_stage
+from meshtrain.step.pipeline.layout import exchange, join_blocks, split_blocks, stage_order
+from meshtrain.step.pipeline.schedules import make_schedule
 from meshtrain.step.state import Setup
-
-
-# --------------------------------------------------------------------------- the stack's layout
-
-
-def stage_order(kind: str, p: int, v: int) -> np.ndarray:
-    """order[i] = the virtual stage (model chunk) at block i of the stage layout, where stage s
-    holds blocks s·v .. s·v+v-1, its chunks 0..v-1 (schedules.virtual_stage)."""
-    return np.array([virtual_stage(kind, p, s, c) for s in range(p) for c in range(v)])
-
-
-def permute_blocks(tree: Any, order: np.ndarray) -> Any:
-    """Reorder the leading [L] axis of every leaf as len(order) blocks: out block i = in block order[i]."""
-    if np.array_equal(order, np.arange(len(order))):
-        return tree  # v = 1: the stored contiguous shards are the stages
-    n = len(order)
-
-    def one(a):
-        blocks = a.reshape(n, a.shape[0] // n, *a.shape[1:])
-        return jnp.take(blocks, jnp.asarray(order), axis=0).reshape(a.shape)
-
-    return jax.tree.map(one, tree)
 
 
 # --------------------------------------------------------------------------- the executor
@@ -113,15 +92,6 @@ def index(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def accumulate_chunk(acc_vk: jax.Array, d_k: jax.Array, chunk: jax.Array) -> jax.Array:
-    """acc[chunk] += d, in place. With one chunk per stage a plain add: the compiler copies the result of
-    an update-slice that covers the whole array back into the loop's buffer."""
-    if acc_vk.shape[0] == 1:
-        return acc_vk + d_k[None]
-    return lax.dynamic_update_index_in_dim(acc_vk, lax.dynamic_index_in_dim(acc_vk, chunk, 0, keepdims=False) + d_k,
-                                           chunk, 0)
-
-
 def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * objective sum,
     objective sum, token count, model_state, {"loss": cross-entropy sum, sown metrics: token-weighted sums}),
@@ -132,10 +102,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     schedule = make_schedule(cfg.pipeline.schedule, p, cfg.train.grad_accum, v)
     ticks = tick_tables(schedule)
     k = cfg.model.n_layers // (p * v)  # layers per chunk
-    # Rows of the stacked params per chunk: with MoE every `moe.every` layers form one scanned group.
-    rows = k // (cfg.moe.every if cfg.moe.enabled else 1)
-    order = stage_order(schedule.kind, p, v)
-    inverse = np.argsort(order)
+    order = stage_order(schedule.kind, p, v)  # the stage layout's blocks, in the stored layout (layout.py)
+    inverse = np.argsort(order)  # the stored layout's blocks, in the stage layout
     # Per lane, one switch over the ops that fill the stash (F) and one over those that spend it (B, W), each
     # left out where the lane runs none of its ops. A branch that hands a stash buffer to its chunk's backward
     # must not also pass the stash on as the switch's result, or the compiler copies the whole stash per tick:
@@ -149,12 +117,16 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # (abstract) mesh, or their transposes in the backward would not match the context.
         rules = dataclasses.replace(model.rules, mesh=jax.sharding.get_abstract_mesh())
         stage = lax.axis_index("pp")
-        layers_vk = jax.tree.map(lambda a: a.reshape(v, rows, *a.shape[1:]), layers)
-        weights_vk = cast_sites(model.policy, layers_vk)  # what every op reads: bf16 sites cast once per step
+        # The stage's chunks, one tree each: every branch names its chunk statically, so an op reads its
+        # chunk's weights and adds to its chunk's gradients where they are (a traced chunk index copied both
+        # in and out of the [v, ...] stack at every op).
+        with jax.named_scope(TRANSFER_SCOPE):
+            layers_c = exchange(split_blocks(layers, v), order, p)
+        weights_c = [cast_sites(model.policy, lp) for lp in layers_c]  # what ops read: bf16 sites cast once a step
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
-                                                 (index(weights_vk, 0), pool[0], index(batch, 0)))
+                                                 (weights_c[0], pool[0], index(batch, 0)))
         # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
         # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
         # slot picked by a traced index would copy every leaf into the slot at F and out of it at B. Past
@@ -164,31 +136,30 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                  [jnp.zeros((n_stash, *a.shape), a.dtype) for a in stash_of.kept])
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
-        # fsdp), not whole on every device of the stage. [v, k] replaces the pp-sharded layer axis.
+        # fsdp), not whole on every device of the stage. A chunk's rows replace the pp-sharded layer axis.
         mesh_in = rules.mesh
-        g_layer_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, P(None, None, *sh.spec[1:])),
+        g_layer_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, P(None, *sh.spec[1:])),
                                   setup.grad_shardings["layers"])
         g_shared_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, sh.spec),
                                    {name: setup.grad_shardings[name] for name in shared})
 
-        def op(kind, pos, slot):
-            """The switch branch running ops[kind, pos] on stash slot `slot`: (carry, me) -> (carry, message)."""
+        def op(kind, pos, slot, c):
+            """The switch branch running ops[kind, pos] on chunk c and stash slot `slot`: (carry, me) -> (carry,
+            message)."""
 
             def branch(carry, me):
                 pool, stash, g_layers, g_shared, sums = carry
-                c = me["chunk"]
                 kept = (stash[slot] if slot != NO_SLOT else []) if static else index(stash, me["stash_slot"])
-                out = ops[kind, pos](index(weights_vk, c), shared, index(pool, me["x_slot"]),
+                out = ops[kind, pos](weights_c[c], shared, index(pool, me["x_slot"]),
                                      index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale, kept)
                 if out.kept is not None and static:
                     stash = [*stash[:slot], list(out.kept), *stash[slot + 1:]]
                 elif out.kept is not None:
                     stash = [lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
                              for buf, a in zip(stash, out.kept)]
-                if out.d_layers is not None:  # accumulate into this chunk's rows
-                    g_layers = jax.tree.map(lambda acc, d: accumulate_chunk(acc, d.astype(acc.dtype), c),
-                                            g_layers, out.d_layers)
-                    g_layers = lax.with_sharding_constraint(g_layers, g_layer_sh)
+                if out.d_layers is not None:  # accumulate into this chunk's gradients
+                    g = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), g_layers[c], out.d_layers)
+                    g_layers = [*g_layers[:c], lax.with_sharding_constraint(g, g_layer_sh), *g_layers[c + 1:]]
                 if out.d_shared is not None:
                     g_shared = lax.with_sharding_constraint(jax.tree.map(jnp.add, g_shared, out.d_shared),
                                                             g_shared_sh)
@@ -203,8 +174,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         def idle(carry, me):
             return carry, jnp.zeros(pool.shape[1:], pool.dtype)
 
-        # Per switch, only the (kind, position, slot) triples it runs: an unused op is never compiled.
-        branches = [[[idle] + [op(*triple) for triple in triples] for _, triples in switches]
+        # Per switch, only the (kind, position, slot, chunk) keys it runs: an unused op is never compiled.
+        branches = [[[idle] + [op(*key) for key in keys] for _, keys in switches]
                     for switches in lane_switches]
         nothing = jnp.zeros(pool.shape[1:], pool.dtype)
 
@@ -234,14 +205,16 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
 
         # The objective, the labelled tokens, the cross-entropy and each sown metric (token-weighted), summed.
         sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", "count", "ce", *layers_sowing)}
-        carry = (pool, stash, lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, layers_vk), g_layer_sh),
+        zeros_c = [lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, lp), g_layer_sh) for lp in layers_c]
+        carry = (pool, stash, zeros_c,
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
                            "branch": jnp.asarray(np.stack([branch_of for branch_of, _ in switches], axis=-1))}
                           for lane, switches in enumerate(lane_switches))
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
         (_, _, g_layers, g_shared, sums), _ = lax.scan(tick, carry, (lane_rows, link_rows))
-        g_layers = jax.tree.map(lambda a: a.reshape(v * rows, *a.shape[2:]), g_layers)
+        with jax.named_scope(TRANSFER_SCOPE):
+            g_layers = join_blocks(exchange(g_layers, inverse, p))
         with jax.named_scope(TRANSFER_SCOPE):
             sums = lax.psum(sums, "pp")
         # A metric's logged value is its mean over the layers that sow it (step/loss.py): p·v chunks of them.
@@ -254,11 +227,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
 
     def grad_fn(params, batch: Batch, scale=1.0, model_state=None):
         shared = {name: sub for name, sub in params.items() if name != "layers"}
-        with jax.named_scope(TRANSFER_SCOPE):
-            layers = permute_blocks(params["layers"], order)
-        g_layers, g_shared, loss, count, logged = program(layers, shared, batch, jnp.asarray(scale, jnp.float32))
-        with jax.named_scope(TRANSFER_SCOPE):
-            grads = {**g_shared, "layers": permute_blocks(g_layers, inverse)}
+        g_layers, g_shared, loss, count, logged = program(params["layers"], shared, batch,
+                                                          jnp.asarray(scale, jnp.float32))
+        grads = {**g_shared, "layers": g_layers}
         grads = jax.lax.with_sharding_constraint(grads, setup.grad_shardings)
         return Accumulated(grads, loss, count, model_state or {}, logged)
 
@@ -266,19 +237,21 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
 
 
 def _branch_table(ticks: TickTables, lane: int, kinds: tuple[int, ...], static: bool
-                  ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
-    """Number the (op kind, chunk position, stash slot) triples of `kinds` that `lane` runs, 1.. (0: idle, or an
-    op of another kind): [T, S] branch indices and the triples in branch order. The slot is NO_SLOT for ops that
+                  ) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """Number the (op kind, chunk position, stash slot, chunk) keys of `kinds` that `lane` runs, 1.. (0: idle, or
+    an op of another kind): [T, S] branch indices and the keys in branch order. The slot is NO_SLOT for ops that
     neither fill nor spend the stash (the last chunk's), and for every op when the slots are not `static`."""
-    kind, position, slot = (getattr(ticks, name)[:, :, lane] for name in ("kind", "position", "stash_slot"))
+    kind, position, slot, chunk = (getattr(ticks, name)[:, :, lane]
+                                   for name in ("kind", "position", "stash_slot", "chunk"))
 
-    def triple(t: int, s: int) -> tuple[int, int, int]:
-        return int(kind[t, s]), int(position[t, s]), int(slot[t, s]) if static and position[t, s] != LAST else NO_SLOT
+    def key(t: int, s: int) -> tuple[int, int, int, int]:
+        kept_in = int(slot[t, s]) if static and position[t, s] != LAST else NO_SLOT
+        return int(kind[t, s]), int(position[t, s]), kept_in, int(chunk[t, s])
 
-    triples = sorted({triple(t, s) for (t, s), kd in np.ndenumerate(kind) if kd in kinds})
-    index = {tr: i + 1 for i, tr in enumerate(triples)}
+    keys = sorted({key(t, s) for (t, s), kd in np.ndenumerate(kind) if kd in kinds})
+    number = {k: i + 1 for i, k in enumerate(keys)}
     table = np.zeros_like(kind)
     for (t, s), kd in np.ndenumerate(kind):
         if kd in kinds:
-            table[t, s] = index[triple(t, s)]
-    return table, triples
+            table[t, s] = number[key(t, s)]
+    return table, keys
