@@ -96,7 +96,9 @@ def render_text(s: Schedule, units: str = "tick") -> str:
     program = tick_tables(s)
     lanes = "one op per tick" if program.n_lanes == 1 else f"{program.n_lanes} lanes (F, then B) per tick"
     lines += [f"executor: {program.n_ticks} ticks of {lanes}, {program.makespan:g} cost units; peak in flight "
-              "per stage " + " ".join(map(str, program.peak_in_flight))]
+              "per stage " + " ".join(map(str, program.peak_in_flight)),
+              f"executor in what its ops cost (the last chunk's F inside its B; a split W pulls back through the "
+              f"chunk again): {program.op_makespan:g} units"]
     if s.split_backward:
         held = " ".join(map(str, s.peak_in_flight_w))
         lines.append(f"peak held until W per stage (weight-grad inputs): {held}")
@@ -113,7 +115,7 @@ def to_json(s: Schedule) -> dict:
         # The program the pipeline executor runs (step/pipeline/ticks.py): its time in the same cost units,
         # its ticks and lanes, and what each stage holds in its order.
         "executor_makespan": program.makespan, "executor_ticks": program.n_ticks, "executor_lanes": program.n_lanes,
-        "executor_peak_in_flight": program.peak_in_flight,
+        "executor_peak_in_flight": program.peak_in_flight, "executor_op_makespan": program.op_makespan,
         "ops": [[{"op": op.kind, "microbatch": op.microbatch, "chunk": op.chunk, "start": op.start,
                   "end": op.end, "tick": op.tick} for op in stage_ops] for stage_ops in s.ops],
     }

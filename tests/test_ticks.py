@@ -118,3 +118,19 @@ def test_cli_reports_the_executors_makespan(capsys):
     assert got["executor_lanes"] == 1 and got["executor_peak_in_flight"] == [4, 3, 2, 1]
     assert cli.main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
     assert "executor: 14 ticks of 2 lanes (F, then B) per tick, 33 cost units" in capsys.readouterr().out
+
+
+def test_the_programs_time_in_what_its_ops_cost(capsys):
+    """executor_op_units: the last chunk's F runs inside its B (3 units) and a split W pulls back through the chunk
+    again (2), so at pp=2 zb_h1 and dualpipe_v take longer than their makespans say, 1F1B does not. These
+    predicted the measured pp=2 steps on two H100s (docs/PERFORMANCE.md, 2026-11-27): zb_h1 / 1f1b 34/27 = 1.26
+    (measured 1.29), dualpipe_v (half-size chunks) 43/27 = 1.59 (measured 1.58)."""
+    def program(kind, v=1):
+        return tick_tables(make_schedule(kind, 2, 8, v))
+
+    assert program("1f1b").op_makespan == program("1f1b").makespan == 27
+    assert program("zb_h1").makespan == 25 and program("zb_h1").op_makespan == 34
+    assert program("interleaved", 2).op_makespan == 51  # in half-size chunks: 25.5 of 1F1B's units
+    assert program("dualpipe_v", 2).op_makespan == 86
+    assert cli.main(["--schedule", "zb_h1", "--pp", "2", "--microbatches", "8"]) == 0
+    assert "pulls back through the chunk again): 34 units" in capsys.readouterr().out

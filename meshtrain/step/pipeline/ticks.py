@@ -111,6 +111,13 @@ class TickTables:
         return float(self.tick_costs().max(axis=1).sum())
 
     @property
+    def op_makespan(self) -> float:
+        """The program's time in what its ops cost (`executor_op_units`), not in the schedule's units:
+        Σ over ticks of the busiest stage."""
+        units = np.vectorize(lambda kind, pos: executor_op_units(kind, pos, self.split_backward))
+        return float(units(self.kind, self.position).sum(axis=2).max(axis=1).sum())
+
+    @property
     def peak_in_flight(self) -> list[int]:
         """Per stage: the most microbatch chunks whose forward ran and whose B has not (as
         Schedule.peak_in_flight counts them, for the order this program runs)."""
@@ -123,6 +130,22 @@ class TickTables:
                     peak = max(peak, held)
             peaks.append(peak)
         return peaks
+
+
+def executor_op_units(kind: int, position: int, split_backward: bool) -> int:
+    """What an op of the executor (ops.py) costs, in units of a chunk's forward: the last chunk's F is folded
+    into its B (forward and backward of the chunk: 3; the head and loss come on top); a split B pulls back
+    through the chunk for the input gradient (1; the first chunk's does nothing, nobody waits for it) and W
+    pulls back through it again for the weight gradients (2: the input gradients flow back through the layers
+    after each weight). Where these differ from the schedule's units (F=1, B=2, or 1 each when split), the
+    program takes longer than its `makespan` says."""
+    if kind == F:
+        return 0 if position == LAST else 1
+    if kind == B:
+        return 3 if position == LAST else 2 if not split_backward else 0 if position == FIRST else 1
+    if kind == W:
+        return 0 if position == LAST else 2
+    return 0
 
 
 @dataclass(frozen=True)
