@@ -152,10 +152,11 @@ def mesh_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
                                                f"model.attention=pallas (or auto)"))
     if pp > 1 and cp > 1:
         # Inside a stage only collectives whose groups stay within the stage may run: each stage takes its own
-        # branch of the tick's switch, and a permute pairing devices of two stages waits for ever.
-        checks.append((cfg.parallel.cp_impl == "allgather",
-                       f"mesh.pp={pp} with mesh.cp={cp}: the ring's K/V permutes cannot run inside a pipeline stage; "
-                       f"set parallel.cp_impl=allgather"))
+        # branch of the tick's switch, and a permute pairing devices of two stages waits for ever. The ring's
+        # hop between two ranks runs there as an all-to-all of the cp group (parallel/sequence/ring.py).
+        checks.append((cfg.parallel.cp_impl == "allgather" or cp == 2,
+                       f"mesh.pp={pp} with mesh.cp={cp} and parallel.cp_impl=ring: inside a pipeline stage the "
+                       f"ring runs on two ranks only; set mesh.cp=2 or parallel.cp_impl=allgather"))
         checks.append((not (cfg.parallel.sequence_parallel and tp > 1),
                        f"mesh.pp={pp} with mesh.cp={cp} and parallel.sequence_parallel=true (mesh.tp={tp}): the "
                        f"sequence's reshards between cp and tp cannot run inside a pipeline stage; set "

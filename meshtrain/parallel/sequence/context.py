@@ -49,6 +49,11 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
     manual = set(rules.mesh.axis_names) if kernel else {"cp", "sp"}
     head_groups = 1 if "tp" in manual else tp  # tp shards of the head axis this view still spans
     n_heads, n_kv = q_bthe.shape[2], k_bske.shape[2]
+    # Inside a pipeline stage (pp manual, step/pipeline/executor.py) the ring's hops must stay within the stage.
+    in_pipeline_stage = "pp" in getattr(rules.mesh, "manual_axes", ()) and shape["pp"] > 1
+    if in_pipeline_stage and cp_impl == "ring" and cp > 2:
+        raise ValueError(f"parallel.cp_impl=ring with mesh.cp={cp} inside a pipeline stage: the ring's hops run "
+                         f"as a swap of two ranks there; use mesh.cp=2 or parallel.cp_impl=allgather")
 
     def local(q, k, v, pos, seg):
         if kernel and tp > 1 and n_kv % tp:  # replicated kv heads: keep the one this tp shard reads
@@ -59,7 +64,7 @@ def context_attention(q_bthe: jax.Array, k_bske: jax.Array, v_bske: jax.Array, p
             q, k, v = (ulysses.seq_to_heads(x, "sp", sp, head_groups) for x in (q, k, v))
             pos, seg = ulysses.gather_tokens(pos, "sp"), ulysses.gather_tokens(seg, "sp")
         if cp > 1:
-            ring = Ring("cp", cp, cp_layout, block)
+            ring = Ring("cp", cp, cp_layout, block, hop="swap" if in_pipeline_stage else "permute")
             o = (ring_attention if cp_impl == "ring" else allgather_attention)(q, k, v, pos, seg, ring)
         else:
             o = block.forward(q, k, v, pos, seg, pos, seg, causal=True)[0].astype(q.dtype)

@@ -44,6 +44,11 @@ class Ring:
     size: int
     layout: str
     block: BlockAttention
+    # How a block hops: a collective permute, or (two ranks only) a swap written as an all-to-all within the
+    # cp group. Inside a pipeline stage each stage runs its own branch of a switch, and a permute's pairs span
+    # every stage's cp group, so it would wait for devices of other stages; an all-to-all's replica groups
+    # stay within the stage (step/pipeline/executor.py).
+    hop: str = "permute"
 
 
 def ring_attention(q_bthe, k_bske, v_bske, pos_bt, seg_bt, ring: Ring):
@@ -69,8 +74,17 @@ def allgather_attention(q_bthe, k_bske, v_bske, pos_bt, seg_bt, ring: Ring):
 
 def _send(ring: Ring, x):
     """Pass x one hop round the ring: rank i -> i+1."""
+    if ring.hop == "swap":
+        return jax.tree.map(lambda a: _swap(a, ring.axis), x)
     perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
     return jax.lax.ppermute(x, ring.axis, perm)
+
+
+def _swap(a, axis: str):
+    """Two ranks exchange a: an all-to-all whose piece j goes to rank j (the piece a rank sends itself is a
+    local copy), then each keeps the other's."""
+    got = jax.lax.all_to_all(jnp.stack([a, a]), axis, 0, 0, tiled=False)  # got[j]: rank j's a
+    return jax.lax.dynamic_index_in_dim(got, 1 - jax.lax.axis_index(axis), 0, keepdims=False)
 
 
 def _after(kv, done):
