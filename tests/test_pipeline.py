@@ -50,11 +50,11 @@ CASES = {
     "dualpipe_v-pp4-tp2": ["pipeline.schedule=dualpipe_v", "pipeline.virtual_stages=2", "mesh.pp=4",
                            "mesh.fsdp=1", "mesh.tp=2", "train.grad_accum=8"],
     # the sequence split inside the stages: cp by all-gathered K/V, cp by the ring (its hops as swaps within the
-    # stage's cp group), sp (Ulysses) with tp's sequence parallelism
+    # stage's cp group) with tp's sequence parallelism, sp (Ulysses) with tp's sequence parallelism
     "1f1b-pp2-cp2-fsdp2-allgather": ["pipeline.schedule=1f1b", "mesh.pp=2", "mesh.cp=2", "mesh.fsdp=2",
                                      "parallel.cp_impl=allgather", "train.grad_accum=4"],
-    "zb_h1-pp2-cp2-dp2-ring": ["pipeline.schedule=zb_h1", "mesh.pp=2", "mesh.cp=2", "mesh.dp=2", "mesh.fsdp=1",
-                               "parallel.cp_impl=ring", "train.grad_accum=4"],
+    "zb_h1-pp2-cp2-tp2-seqpar-ring": ["pipeline.schedule=zb_h1", "mesh.pp=2", "mesh.cp=2", "mesh.tp=2", "mesh.fsdp=1",
+                                      "parallel.sequence_parallel=true", "parallel.cp_impl=ring", "train.grad_accum=4"],
     "interleaved-v2-pp2-sp2-tp2-seqpar": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "mesh.pp=2",
                                           "mesh.sp=2", "mesh.fsdp=1", "mesh.tp=2", "parallel.sequence_parallel=true",
                                           "train.grad_accum=4"],

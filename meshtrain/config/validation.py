@@ -157,10 +157,6 @@ def mesh_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
         checks.append((cfg.parallel.cp_impl == "allgather" or cp == 2,
                        f"mesh.pp={pp} with mesh.cp={cp} and parallel.cp_impl=ring: inside a pipeline stage the "
                        f"ring runs on two ranks only; set mesh.cp=2 or parallel.cp_impl=allgather"))
-        checks.append((not (cfg.parallel.sequence_parallel and tp > 1),
-                       f"mesh.pp={pp} with mesh.cp={cp} and parallel.sequence_parallel=true (mesh.tp={tp}): the "
-                       f"sequence's reshards between cp and tp cannot run inside a pipeline stage; set "
-                       f"parallel.sequence_parallel=false, or use mesh.sp instead of mesh.cp"))
     return failed(checks)
 
 
