@@ -106,6 +106,13 @@ def push_history(history: jax.Array, value: jax.Array) -> jax.Array:
     return jnp.concatenate([value[None].astype(history.dtype), history[:-1]])
 
 
+def push_newest_of(history: jax.Array, pushed: jax.Array) -> jax.Array:
+    """history [..., H] with the newest entry of `pushed` (a history one push past some earlier state, as a
+    backward returns it) pushed onto it: the pipeline's way to apply a microbatch's push to histories that
+    moved on since its forward read them (step/pipeline/executor.py)."""
+    return jnp.concatenate([pushed[..., :1], history[..., :-1]], axis=-1)
+
+
 def _tensor_scales(x, w, meta):
     if meta is None:  # current scaling: this step's amax
         return pow2_scale(amax(x), E4M3), pow2_scale(amax(w), E4M3)

@@ -199,7 +199,7 @@ def parallel_problems(cfg: Config, degrees: dict[str, int] | None) -> list[str]:
 
 
 def pipeline_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
-    """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, the layer split, fp8 state.
+    """What stops mesh.pp > 1 from running cfg.pipeline: schedule arguments, the layer split.
 
     The two settings a config written for one GPU lacks (scanned layers, microbatches for the stages)
     come as one line with the overrides that fix both, so `mesh.pp=2` on such a config is one retry."""
@@ -232,9 +232,6 @@ def pipeline_problems(cfg: Config, degrees: dict[str, int]) -> list[str]:
         problems.append(f"moe.every={cfg.moe.every}: must divide the layers per pipeline chunk, model.n_layers/"
                         f"(mesh.pp*pipeline.virtual_stages) = {m.n_layers // chunks} (a chunk runs whole groups of "
                         f"a dense and an MoE block); change moe.every, mesh.pp or pipeline.virtual_stages")
-    if cfg.precision.matmul == "fp8_delayed":
-        problems.append(f"precision.matmul=fp8_delayed with mesh.pp={pp}: the pipeline does not carry the amax "
-                        f"histories yet; use precision.matmul=fp8 (current scaling)")
     return problems
 
 

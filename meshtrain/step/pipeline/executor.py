@@ -67,7 +67,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import fp8
 from meshtrain.data import Batch
+from meshtrain.model.layers import FP8_META
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
 from meshtrain.step.pipeline.ticks import B, F, LAST, TRANSFER_SCOPE, W, TickTables, tick_tables
@@ -95,8 +97,13 @@ def index(tree, i):
 def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * objective sum,
     objective sum, token count, model_state, {"loss": cross-entropy sum, sown metrics: token-weighted sums}),
-    summed over the A microbatches, computed by the pipeline schedule `setup.cfg.pipeline`. The model state
-    passes through unchanged (validate refuses the fp8 recipe that would update it)."""
+    summed over the A microbatches, computed by the pipeline schedule `setup.cfg.pipeline`.
+
+    fp8_delayed: each chunk's amax histories travel in the stage's carry. A microbatch's F reads them as they
+    stand when it runs, and the op that pulls its chunk back pushes that microbatch's amaxes onto them, in
+    microbatch order per chunk, so after the step they hold what the microbatch scan's hold. What differs: the
+    scan's F of microbatch i reads histories that already hold microbatch i-1's amaxes, and a pipeline runs F
+    of later microbatches before B of earlier ones, so its scales may come from a history a few pushes older."""
     cfg, mesh, model = setup.cfg, setup.mesh, setup.model
     p, v = mesh.shape["pp"], cfg.pipeline.virtual_stages
     schedule = make_schedule(cfg.pipeline.schedule, p, cfg.train.grad_accum, v)
@@ -112,7 +119,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     lane_switches = [[table for table in (_branch_table(ticks, lane, kinds, static) for kinds in ((F,), (B, W)))
                       if table[1]] for lane in range(ticks.n_lanes)]
 
-    def stage_program(layers, shared, batch: Batch, scale):
+    def stage_program(layers, meta_layers, shared, batch: Batch, scale):
         # Inside, pp is a manual axis: the model's sharding annotations name the other axes of this
         # (abstract) mesh, or their transposes in the backward would not match the context.
         rules = dataclasses.replace(model.rules, mesh=jax.sharding.get_abstract_mesh())
@@ -122,11 +129,12 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # in and out of the [v, ...] stack at every op).
         with jax.named_scope(TRANSFER_SCOPE):
             layers_c = exchange(split_blocks(layers, v), order, p)
+            meta_c = exchange(split_blocks(meta_layers, v), order, p)  # fp8_delayed histories, or {} per chunk
         weights_c = [cast_sites(model.policy, lp) for lp in layers_c]  # what ops read: bf16 sites cast once a step
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
-                                                 (weights_c[0], pool[0], index(batch, 0)))
+                                                 (weights_c[0], pool[0], index(batch, 0), meta_c[0]))
         # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
         # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
         # slot picked by a traced index would copy every leaf into the slot at F and out of it at B. Past
@@ -148,10 +156,11 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
             message)."""
 
             def branch(carry, me):
-                pool, stash, g_layers, g_shared, sums = carry
+                pool, stash, g_layers, g_shared, sums, meta_c = carry
                 kept = (stash[slot] if slot != NO_SLOT else []) if static else index(stash, me["stash_slot"])
                 out = ops[kind, pos](weights_c[c], shared, index(pool, me["x_slot"]),
-                                     index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale, kept)
+                                     index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale, kept,
+                                     meta_c[c])
                 if out.kept is not None and static:
                     stash = [*stash[:slot], list(out.kept), *stash[slot + 1:]]
                 elif out.kept is not None:
@@ -167,7 +176,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                 sums = {name: total + made[name] if made.get(name) is not None else total
                         for name, total in sums.items()}
                 message = out.message if out.message is not None else jnp.zeros(pool.shape[1:], pool.dtype)
-                return (pool, stash, g_layers, g_shared, sums), message
+                if out.meta is not None:  # this microbatch's amaxes, pushed onto the chunk's histories as they are now
+                    meta_c = [*meta_c[:c], jax.tree.map(fp8.push_newest_of, meta_c[c], out.meta), *meta_c[c + 1:]]
+                return (pool, stash, g_layers, g_shared, sums, meta_c), message
 
             return branch
 
@@ -207,31 +218,37 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", "count", "ce", *layers_sowing)}
         zeros_c = [lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, lp), g_layer_sh) for lp in layers_c]
         carry = (pool, stash, zeros_c,
-                 lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums)
+                 lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums, meta_c)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
                            "branch": jnp.asarray(np.stack([branch_of for branch_of, _ in switches], axis=-1))}
                           for lane, switches in enumerate(lane_switches))
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
-        (_, _, g_layers, g_shared, sums), _ = lax.scan(tick, carry, (lane_rows, link_rows))
+        (_, _, g_layers, g_shared, sums, meta_c), _ = lax.scan(tick, carry, (lane_rows, link_rows))
         with jax.named_scope(TRANSFER_SCOPE):
             g_layers = join_blocks(exchange(g_layers, inverse, p))
+            meta_layers = join_blocks(exchange(meta_c, inverse, p))
         with jax.named_scope(TRANSFER_SCOPE):
             sums = lax.psum(sums, "pp")
         # A metric's logged value is its mean over the layers that sow it (step/loss.py): p·v chunks of them.
         logged = {"loss": sums["ce"]} | {name: sums[name] / (n * p * v) for name, n in layers_sowing.items()}
         with jax.named_scope(TRANSFER_SCOPE):
-            return g_layers, lax.psum(g_shared, "pp"), sums["loss"], sums["count"], logged
+            return g_layers, meta_layers, lax.psum(g_shared, "pp"), sums["loss"], sums["count"], logged
 
-    program = jax.shard_map(stage_program, mesh=mesh, in_specs=(P("pp"), P(), P(), P()),
-                            out_specs=(P("pp"), P(), P(), P(), P()), axis_names={"pp"}, check_vma=False)
+    program = jax.shard_map(stage_program, mesh=mesh, in_specs=(P("pp"), P("pp"), P(), P(), P()),
+                            out_specs=(P("pp"), P("pp"), P(), P(), P(), P()), axis_names={"pp"}, check_vma=False)
 
     def grad_fn(params, batch: Batch, scale=1.0, model_state=None):
         shared = {name: sub for name, sub in params.items() if name != "layers"}
-        g_layers, g_shared, loss, count, logged = program(params["layers"], shared, batch,
-                                                          jnp.asarray(scale, jnp.float32))
+        # The layers' fp8_delayed histories (validate keeps every fp8_delayed site inside the layers under pp).
+        model_state = model_state or {}
+        meta_layers = model_state.get(FP8_META, {}).get("layers", {})
+        g_layers, meta_layers, g_shared, loss, count, logged = program(params["layers"], meta_layers, shared, batch,
+                                                                       jnp.asarray(scale, jnp.float32))
         grads = {**g_shared, "layers": g_layers}
         grads = jax.lax.with_sharding_constraint(grads, setup.grad_shardings)
-        return Accumulated(grads, loss, count, model_state or {}, logged)
+        if meta_layers:
+            model_state = {**model_state, FP8_META: {**model_state[FP8_META], "layers": meta_layers}}
+        return Accumulated(grads, loss, count, model_state, logged)
 
     return grad_fn
 

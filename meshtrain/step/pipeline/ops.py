@@ -41,6 +41,7 @@ from meshtrain.config import MATMUL_SITES
 from meshtrain.data import Batch
 from meshtrain.model.loss import label_count
 from meshtrain.model.moe import LOSSES, METRICS
+from meshtrain.model.layers import FP8_META
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
 from meshtrain.precision import Precision
 from meshtrain.step.loss import aux_loss, cross_entropy, objective, sown_sums
@@ -59,10 +60,14 @@ class OpOut:
     ce: jax.Array | None = None
     metrics: dict | None = None  # also from F: n·(the chunk's sum of each sown metric)
     kept: list | None = None  # F of a chunk before the last: its pullback's leaves for the stash
+    meta: Any = None  # fp8_delayed: the chunk's amax histories with this microbatch's amaxes pushed (one op per
+    # microbatch reports them: the one that runs the pullback for the input gradient, or for the first chunk's W)
 
 
-# (layer params, shared params, x, dy, microbatch, scale, the stash's leaves for this op) -> OpOut
-OpFn = Callable[[Any, Any, jax.Array, jax.Array, Batch, jax.Array, list], OpOut]
+# (layer params, shared params, x, dy, microbatch, scale, the stash's leaves for this op, the chunk's fp8
+# histories or {}) -> OpOut
+OpFn = Callable[[Any, Any, jax.Array, jax.Array, Batch, jax.Array, list, Any], OpOut]
+
 
 
 def cast_sites(policy: Precision, layers: Any) -> Any:
@@ -87,16 +92,16 @@ class Stash:
     kept: tuple[jax.ShapeDtypeStruct, ...]  # the leaves kept per microbatch
 
     @classmethod
-    def of(cls, vjp_chunk: Callable, layers: Any, x_btd: Any, mb: Any) -> "Stash":
+    def of(cls, vjp_chunk: Callable, layers: Any, x_btd: Any, mb: Any, meta: Any) -> "Stash":
         box = {}
 
-        def trace(layers, x_btd, mb):
-            leaves, box["treedef"] = jax.tree.flatten(vjp_chunk(layers, x_btd, mb)[1])
+        def trace(layers, x_btd, mb, meta):
+            leaves, box["treedef"] = jax.tree.flatten(vjp_chunk(layers, x_btd, mb, meta)[1])
             weights = jax.tree.leaves(layers)
             box["weight_of"] = tuple(next((i for i, w in enumerate(weights) if w is leaf), -1) for leaf in leaves)
             return [leaf for leaf, w in zip(leaves, box["weight_of"]) if w < 0]
 
-        kept = jax.eval_shape(trace, layers, x_btd, mb)
+        kept = jax.eval_shape(trace, layers, x_btd, mb, meta)
         return cls(box["treedef"], box["weight_of"], tuple(kept))
 
     def keep(self, pullback: Any) -> list:
@@ -112,29 +117,32 @@ class Stash:
         return jax.tree.unflatten(self.treedef, [next(kept) if w < 0 else weights[w] for w in self.weight_of])
 
 
-def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, Any, Batch]
+def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...]
               ) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
     {metric: how many of a chunk's layers sow it}. The ops' layer params are `cast_sites` of the chunk's.
-    `example` is (one chunk's layer params, an input [b, T, D], one microbatch), values or shapes.
+    `example` is (one chunk's layer params, an input [b, T, D], one microbatch[, the chunk's fp8 histories]),
+    values or shapes.
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
     rules = decoder.rules
     stack = decoder.stack(n_layers)
 
-    def run(lp, x_btd, mb: Batch):
-        """-> (y, the chunk's sown collections)."""
-        (y_btd, _), sown = stack.apply({"params": lp}, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg,
-                                                                       rules), mutable=(LOSSES, METRICS))
+    def run(lp, x_btd, mb: Batch, meta):
+        """-> (y, the chunk's sown collections). `meta`: the chunk's fp8_delayed histories, or {}."""
+        variables = {"params": lp, **({FP8_META: meta} if meta else {})}
+        (y_btd, _), sown = stack.apply(variables, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules),
+                                       mutable=(LOSSES, METRICS))
         return y_btd, sown
 
-    def chunk(lp, x_btd, mb: Batch):
+    def chunk(lp, x_btd, mb: Batch, meta):
         """((y, the chunk's auxiliary loss), its sown metrics): the differentiated pair, and what is logged."""
-        y_btd, sown = run(lp, x_btd, mb)
+        y_btd, sown = run(lp, x_btd, mb, meta)
         return (y_btd, aux_loss(sown)), sown
 
-    def vjp_chunk(lp, x_btd, mb: Batch):
-        return jax.vjp(lambda lp, x_btd: chunk(lp, x_btd, mb), lp, x_btd, has_aux=True)
+    def vjp_chunk(lp, x_btd, mb: Batch, meta):
+        # The histories are differentiated too: their cotangent is the next histories (fp8.per_tensor_matmul).
+        return jax.vjp(lambda lp, x_btd, meta: chunk(lp, x_btd, mb, meta), lp, x_btd, meta, has_aux=True)
 
     def logged(sown, n):
         return {name: n * total for name, (total, _) in sown_sums(sown.get(METRICS, {})).items()}
@@ -142,34 +150,35 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
     def embed(sh, mb: Batch):
         return decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed)
 
-    def loss_sum(lp, sh, x_btd, mb: Batch, scale):
-        y_btd, sown = run(lp, x_btd, mb)
+    def loss_sum(lp, sh, x_btd, meta, mb: Batch, scale):
+        y_btd, sown = run(lp, x_btd, mb, meta)
         h_btd, head_dv = decoder.apply({"params": sh}, y_btd, method=Decoder.head)
         ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
         loss = objective(ce, n, sown)[0]
         return loss * scale, (loss, ce, n, logged(sown, n))
 
-    example_lp, example_x, example_mb = example
-    stash = Stash.of(vjp_chunk, example_lp, example_x, example_mb)
-    sown_shapes = jax.eval_shape(lambda lp, x, mb: run(lp, x, mb)[1], example_lp, example_x, example_mb)
+    example_lp, example_x, example_mb, example_meta = (*example, {})[:4]
+    stash = Stash.of(vjp_chunk, example_lp, example_x, example_mb, example_meta)
+    sown_shapes = jax.eval_shape(lambda lp, x, mb, meta: run(lp, x, mb, meta)[1], example_lp, example_x, example_mb,
+                                 example_meta)
     layers_sowing = {name: count for name, (_, count) in sown_sums(sown_shapes.get(METRICS, {})).items()}
 
     def forward(pos: int) -> OpFn:
-        def op(lp, sh, x, dy, mb, scale, kept):
+        def op(lp, sh, x, dy, mb, scale, kept, meta=None):
             if pos == LAST:
                 return OpOut()  # its B runs it (module docstring)
             x_btd = embed(sh, mb) if pos == FIRST else x
-            (y_btd, aux), pullback, sown = vjp_chunk(lp, x_btd, mb)
+            (y_btd, aux), pullback, sown = vjp_chunk(lp, x_btd, mb, meta or {})
             n = label_count(mb.targets)
             return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.keep(pullback), loss=n * aux,
                          metrics=logged(sown, n))
         return op
 
-    def last_backward(lp, sh, x, dy, mb, scale, kept):
-        grad = jax.grad(loss_sum, argnums=(0, 1, 2), has_aux=True)
-        (d_lp, d_sh, dx), (loss, ce, n, metrics) = grad(lp, sh, x, mb, scale)
+    def last_backward(lp, sh, x, dy, mb, scale, kept, meta=None):
+        grad = jax.grad(loss_sum, argnums=(0, 1, 2, 3), has_aux=True)
+        (d_lp, d_sh, dx, d_meta), (loss, ce, n, metrics) = grad(lp, sh, x, meta or {}, mb, scale)
         return OpOut(d_layers=d_lp, d_shared=d_sh, message=rules.constrain(dx, RESIDUAL), loss=loss, count=n, ce=ce,
-                     metrics=metrics)
+                     metrics=metrics, meta=d_meta if meta else None)
 
     def backward(kind: int, pos: int) -> OpFn:
         if pos == LAST:  # split or not, B runs the whole last chunk and its W has nothing left to do
@@ -177,17 +186,18 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         want_w = kind == W or not split_backward  # the weights' gradient
         want_x = kind == B and pos != FIRST  # the input's, sent on to the chunk before
 
-        def op(lp, sh, x, dy, mb, scale, kept):
+        def op(lp, sh, x, dy, mb, scale, kept, meta=None):
             if not (want_w or want_x):  # split B of the first chunk: nobody waits for its input gradient
                 return OpOut()
             # Unused outputs of the pullback (dW at a split B, dx at a W) are dead code to the compiler.
             d_aux = scale * label_count(mb.targets)  # the chunk's aux loss enters the objective as n·aux
-            d_lp, dx_btd = stash.pullback(kept, lp)((dy, d_aux))
+            d_lp, dx_btd, d_meta = stash.pullback(kept, lp)((dy, d_aux))
             d_sh = None
             if want_w and pos == FIRST:
                 d_sh = jax.vjp(lambda sh: embed(sh, mb), sh)[1](dx_btd)[0]
             return OpOut(d_layers=d_lp if want_w else None, d_shared=d_sh,
-                         message=rules.constrain(dx_btd, RESIDUAL) if want_x else None)
+                         message=rules.constrain(dx_btd, RESIDUAL) if want_x else None,
+                         meta=d_meta if meta and (want_x or pos == FIRST) else None)
         return op
 
     kinds = (B, W) if split_backward else (B,)
