@@ -16,6 +16,9 @@ Sources:
              so the loss falls from ln(V) towards ln(4) as the model learns the table
   file       a flat token file (.npy, or raw .bin of uint16/uint32, memory-mapped); sequence windows
              of seq_len+1 tokens are visited in a seeded random order, reshuffled every epoch
+  hf         text documents (a saved `datasets` directory, parquet or JSONL; data.path or a weighted
+             data.mixture) tokenized on the fly and packed with data.eos_id between documents
+             (meshtrain/documents: how a row is found without tokenizing the corpus first, and its cost)
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import jax
 import numpy as np
 
 from meshtrain.config import ConfigError, DataConfig
+from meshtrain.documents import TextSource
 from meshtrain.model.loss import IGNORE
 from meshtrain.parallel.sequence.zigzag import sequence_order
 
@@ -154,14 +158,19 @@ class Batches:
     seq_len], sharded."""
 
     def __init__(self, data: DataConfig, *, vocab_size: int, global_batch: int, grad_accum: int, seed: int,
-                 sharding: jax.sharding.NamedSharding, cp: int = 1, cp_layout: str = "zigzag", split: str = "train"):
+                 sharding: jax.sharding.NamedSharding, cp: int = 1, cp_layout: str = "zigzag", split: str = "train",
+                 cache_dir: str | Path = ""):
         """`split`: "train", "eval" (the held-out data: data.eval_path, the data.eval_fraction end of
-        data.path, or the synthetic eval stream) or "all" (every window of data.path, in order)."""
+        data.path, or the synthetic eval stream) or "all" (every window of data.path, in order).
+        `cache_dir`: data.source=hf's Arrow copies and token counts (default data.cache_dir)."""
         self.global_batch, self.grad_accum, self.sharding = global_batch, grad_accum, sharding
         self.data, self.cp, self.cp_layout = data, cp, cp_layout
         self.shape = (grad_accum, global_batch // grad_accum, data.seq_len)
         if data.source == "synthetic":
             self.source = SyntheticSource(vocab_size, data.seq_len, seed, eval_split=split != "train")
+        elif data.source == "hf":
+            self.source = TextSource(data, vocab_size=vocab_size, seed=seed, global_batch=global_batch,
+                                     cache_dir=Path(cache_dir or text_cache_dir(data, ".")), split=split)
         elif split == "eval" and data.eval_path:
             self.source = TokenFileSource(data.eval_path, data.dtype, data.seq_len, seed, vocab_size, global_batch,
                                           part="all")
@@ -202,6 +211,11 @@ class Batches:
     def batch(self, step: int) -> Batch:
         put = lambda x: jax.make_array_from_process_local_data(self.sharding, x, self.shape)  # noqa: E731
         return Batch(**{k: put(v) for k, v in self.local_fields(step).items()})
+
+
+def text_cache_dir(data: DataConfig, run_dir: str) -> Path:
+    """Where data.source=hf keeps its Arrow copies and token counts: data.cache_dir, else <run.dir>/data_cache."""
+    return Path(data.cache_dir) if data.cache_dir else Path(run_dir) / "data_cache"
 
 
 FULL_SCAN_TOKENS = 1 << 30  # files up to this size are scanned whole at start; larger ones are sampled

@@ -15,9 +15,10 @@ def describe_data(cfg, split: str) -> str:
     d = cfg.data
     if d.source == "synthetic":
         return "the synthetic corpus's eval stream"
+    source = d.path or d.mixture  # data.source=hf may read a mixture
     if split == "eval":
-        return d.eval_path if d.eval_path else f"the last {d.eval_fraction:g} of {d.path}"
-    return f"{d.path} (all of it: the run held out no eval data)"
+        return d.eval_path if d.eval_path else f"the last {d.eval_fraction:g} of {source}"
+    return f"{source} (all of it: the run held out no eval data)"
 
 
 def main(argv: list[str] | None = None) -> int:

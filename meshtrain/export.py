@@ -1,9 +1,10 @@
 """`python -m meshtrain.export --checkpoint DIR [--step N] --out OUT [--dtype float32|bfloat16|float16]`
 
-Writes a Hugging Face Llama directory: config.json (transformers 5's `rope_parameters` and 4's
+Writes a Hugging Face directory (Llama, OLMoE or Mixtral: the architecture that computes what the run's
+model computes, meshtrain/hf/config.py): config.json (transformers 5's `rope_parameters` and 4's
 `rope_theta`/`rope_scaling`), the weights as safetensors (split into several files with an index past
 --max-shard-gb), the vocabulary padding removed, and the tokenizer files of the Hugging Face model the
-run started from, if any. `transformers.LlamaForCausalLM.from_pretrained(OUT)` loads it. The
+run started from, if any. `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it. The
 parameters are restored into host memory (a CPU device), never onto the accelerators.
 """
 from __future__ import annotations
@@ -19,7 +20,10 @@ from meshtrain.config import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
-KEPT_FROM_SOURCE = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+# What the source model says beyond the function meshtrain trained (a sliding window is only accepted where it
+# covers the sequence, so it changed nothing and still describes the model).
+KEPT_FROM_SOURCE = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "sliding_window",
+                    "router_aux_loss_coef")
 
 
 def export(source: str, out: Path, *, step: int | None = None, dtype: str = "float32",
@@ -28,7 +32,7 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
     import jax
 
     from meshtrain.config import build_config, padded_vocab, validate, with_mesh
-    from meshtrain.hf.config import config_json, hf_dir
+    from meshtrain.hf.config import architecture, config_json, hf_dir
     from meshtrain.hf.weights import hf_tensors, save_tensors
     from meshtrain.inference import saved_run, with_vocab_rows
     from meshtrain.mesh import build_mesh
@@ -43,6 +47,7 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
     try:  # closed on every way out (inference.load says why)
         values = {k: v for k, v in saved.items() if k not in ("mesh", "distributed", "checkpoint")}
         cfg = build_config(values, ["mesh.fsdp=1"])
+        architecture(cfg.model, cfg.moe)  # a model no Hugging Face class computes: say so before reading it
         degrees = validate(cfg, 1)
         setup = build_setup(with_mesh(cfg, degrees), build_mesh(degrees, jax.devices("cpu")[:1]))
         # The saved rows of the vocabulary-sized tensors are padded for the tp it was trained with.
@@ -53,7 +58,7 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
         ckpt.close()
 
     out.mkdir(parents=True, exist_ok=True)
-    files = save_tensors(hf_tensors(params, cfg.model, dtype), out, max_shard_bytes)
+    files = save_tensors(hf_tensors(params, cfg.model, dtype, moe=cfg.moe), out, max_shard_bytes)
     source_dir = hf_dir(saved.get("checkpoint", {}).get("init_from", ""))
     extra = {}
     if source_dir is not None and (source_dir / "config.json").is_file():
@@ -63,7 +68,8 @@ def export(source: str, out: Path, *, step: int | None = None, dtype: str = "flo
             if (source_dir / name).is_file():
                 shutil.copy2(source_dir / name, out / name)
                 files.append(name)
-    (out / "config.json").write_text(json.dumps(config_json(cfg.model, dtype=dtype, extra=extra), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config_json(cfg.model, cfg.moe, dtype=dtype, extra=extra), indent=2)
+                                     + "\n")
     files.append("config.json")
     readable(out, files)
     return step, files

@@ -67,7 +67,9 @@ def generate(setup: Setup, params: Any, prompts: list[list[int]], *, max_new_tok
     if max_new_tokens < 1:
         return [[] for _ in prompts]
     mesh, rules = setup.mesh, setup.layout.params
-    tokens_bp, positions_bp, segments_bp = layout_prompts(prompts, mesh.shape["dp"] * mesh.shape["fsdp"])
+    # ep is one more batch axis outside the experts (sharding.py), so the rows must split over it too.
+    tokens_bp, positions_bp, segments_bp = layout_prompts(prompts, mesh.shape["dp"] * mesh.shape["fsdp"]
+                                                          * mesh.shape["ep"])
     b, p = tokens_bp.shape
     chunk = max(1, min(chunk, max_new_tokens - 1))
     n_chunks = -(-(max_new_tokens - 1) // chunk)

@@ -67,7 +67,8 @@ def load(source: str, overrides: list[str], *, step: int | None = None) -> Loade
         cfg = build_config({}, [f"checkpoint.init_from={source}", *overrides])
         setup = _setup(cfg)
         from meshtrain.hf.weights import load_params
-        params = load_params(hf_dir(source), setup.cfg.model, abstract_params(setup), setup.state_shardings.params)
+        params = load_params(hf_dir(source), setup.cfg.model, abstract_params(setup), setup.state_shardings.params,
+                             moe=setup.cfg.moe)
         return Loaded(setup.cfg, setup, params, None, hf_dir(source))
 
     asked = step

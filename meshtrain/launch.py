@@ -158,39 +158,51 @@ def validated_mesh(cfg: Config, devices: int | None = None, *, data: bool = Fals
     except ConfigError as e:
         degrees, problems = None, e.problems
     if data:  # before any device work or banner
-        from meshtrain.data import check_token_files
+        from meshtrain.data import check_token_files, text_cache_dir
+        from meshtrain.documents import check_text_sources
         problems += check_token_files(cfg.data, cfg.model.vocab_size)
+        if not problems:  # reading text sources converts them: only once the config itself is sound
+            problems += check_text_sources(cfg.data, cfg.model.vocab_size, text_cache_dir(cfg.data, cfg.run.dir))
     if problems:
         raise ConfigError(problems)
     return with_mesh(cfg, degrees), build_mesh(degrees, jax.devices()[:n] if devices else None)
 
 
-def banner(cfg: Config, mesh: Mesh, exe: Execution) -> None:
-    """What the run is about to train and how, printed by process 0."""
+def banner(cfg: Config, mesh: Mesh, exe: Execution) -> str:
+    """What the run is about to train and how, printed by process 0; returns the lines printed (the trackers
+    record them), empty on the other processes."""
     import jax
 
     from meshtrain.mesh import describe
 
     if jax.process_index() != 0:
-        return
+        return ""
+    lines = []
     if exe.vocab_padded != cfg.model.vocab_size:
-        print(f"meshtrain: model.vocab_size={cfg.model.vocab_size} padded to {exe.vocab_padded} so that mesh.tp="
-              f"{mesh.shape['tp']} divides it; the {exe.vocab_padded - cfg.model.vocab_size} extra logits are masked",
-              flush=True)
+        lines.append(f"meshtrain: model.vocab_size={cfg.model.vocab_size} padded to {exe.vocab_padded} so that "
+                     f"mesh.tp={mesh.shape['tp']} divides it; the {exe.vocab_padded - cfg.model.vocab_size} extra "
+                     f"logits are masked")
     model = cfg.checkpoint.init_from or cfg.model.preset
-    print(f"meshtrain: mesh {describe(mesh)}, model {model} "
-          f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), {cfg.precision.compute} compute, "
-          f"matmul {matmul_recipe(cfg)}, ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, {exe.describe()}; "
-          f"data {data_source(cfg)}, lr {cfg.train.lr:g}", flush=True)
+    lines.append(f"meshtrain: mesh {describe(mesh)}, model {model} "
+                 f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), {cfg.precision.compute} compute, "
+                 f"matmul {matmul_recipe(cfg)}, ZeRO-{cfg.train.zero_stage}, remat {cfg.train.remat}, "
+                 f"{exe.describe()}; data {data_source(cfg)}, lr {cfg.train.lr:g} "
+                 f"({cfg.train.optimizer}, {cfg.train.lr_schedule} schedule)")
     if cfg.checkpoint.init_from and cfg.data.source == "synthetic":
-        print(f"meshtrain: note: {cfg.checkpoint.init_from} is fine-tuned on the built-in synthetic corpus "
-              f"(data.source=synthetic); set data.source=file data.path=TOKENS to train on your data", flush=True)
+        lines.append(f"meshtrain: note: {cfg.checkpoint.init_from} is fine-tuned on the built-in synthetic corpus "
+                     f"(data.source=synthetic); set data.source=file data.path=TOKENS to train on your data")
+    print("\n".join(lines), flush=True)
+    return "\n".join(lines)
 
 
 def data_source(cfg: Config) -> str:
     d = cfg.data
     if d.source == "synthetic":
         return "synthetic corpus (data.source=synthetic)"
+    if d.source == "hf":
+        held_out = f", eval {d.eval_path}" if d.eval_path else (f", last {d.eval_fraction:g} of each held out"
+                                                               if d.eval_fraction else "")
+        return f"{d.mixture or d.path} (text, tokenizer {d.tokenizer}, eos {d.eos_id}{held_out})"
     held_out = f", eval {d.eval_path}" if d.eval_path else (f", last {d.eval_fraction:g} held out" if d.eval_fraction
                                                            else "")
     return f"{d.path} ({d.dtype}{held_out})"
@@ -209,7 +221,7 @@ def matmul_recipe(cfg: Config) -> str:
 # -- argument helpers shared by the checkpoint commands (evaluate, generate) ----------------------
 
 CHECKPOINT_HELP = ("a meshtrain run directory or its checkpoints/ directory (the latest step, or --step), or "
-                   "hf:DIR for a Hugging Face Llama directory")
+                   "hf:DIR for a Hugging Face Llama, OLMoE or Mixtral directory")
 
 
 def checkpoint_parser(prog: str, description: str) -> argparse.ArgumentParser:

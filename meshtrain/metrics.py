@@ -13,13 +13,14 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
 from meshtrain.config import ModelConfig, MoEConfig
+from meshtrain.tracking import Tracker
 
 # Dense bf16 peak per device, FLOP/s, by substring of jax's device_kind. None: no MFU is reported.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -55,14 +56,16 @@ def memory_in_use() -> dict[str, float]:
 
 
 class MetricsLog:
-    """Writes one JSON object per logged step (and per evaluation) to <run.dir>/metrics.jsonl, optionally
-    the same as TensorBoard events in <run.dir>/tensorboard, and drives the progress bar.
+    """Writes one JSON object per logged step (and per evaluation) to <run.dir>/metrics.jsonl, hands its
+    numbers to the trackers (meshtrain/tracking.py: TensorBoard, W&B), and drives the progress bar.
 
     Only process 0 writes; every process computes the same numbers. The bar is drawn from construction
     on, so anything printed while it lives goes through `write()` (which lifts the bar out of the way).
+    The log closes the trackers it is given.
     """
 
-    def __init__(self, run_dir: str, *, total_steps: int, first_step: int, progress: bool, tensorboard: bool = False):
+    def __init__(self, run_dir: str, *, total_steps: int, first_step: int, progress: bool,
+                 trackers: Sequence[Tracker] = ()):
         self.is_writer = jax.process_index() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         if self.is_writer:
@@ -77,10 +80,7 @@ class MetricsLog:
                 print(f"meshtrain: {self.path} held an earlier run's records; moved to {old.name}", flush=True)
             elif first_step > 0 and self.path.exists():
                 self._truncate_after(first_step)
-        self.tb = None
-        if tensorboard and self.is_writer:
-            from tensorboardX import SummaryWriter  # validate() made sure it is installed
-            self.tb = SummaryWriter(logdir=str(self.path.parent / "tensorboard"))
+        self.trackers = list(trackers) if self.is_writer else []
         show_bar = progress and self.is_writer and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=first_step, disable=not show_bar, unit="step",
                         dynamic_ncols=True, leave=True)
@@ -138,17 +138,24 @@ class MetricsLog:
     def _append(self, record: dict[str, Any], group: str) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value):
-                    tag = f"eval/{key[5:]}" if group == "eval" and key.startswith("eval_") else f"{group}/{key}"
-                    self.tb.add_scalar(tag, value, record["step"])
+        if self.trackers:
+            scalars = tracked_scalars(record, group)
+            for tracker in self.trackers:
+                tracker.log(record["step"], scalars)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: the run ends with an error (the trackers that keep a run's outcome record it)."""
         self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close(failed)
+
+
+def tracked_scalars(record: dict[str, Any], group: str) -> dict[str, float]:
+    """A record's finite numbers as the trackers name them: train/loss, eval/loss (from eval_loss), ..."""
+    return {f"eval/{key[5:]}" if group == "eval" and key.startswith("eval_") else f"{group}/{key}": value
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}
 
 
 def format_record(r: dict[str, Any]) -> str:

@@ -24,7 +24,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
     if latest is None:
         if (directory := hf_dir(setup.cfg.checkpoint.init_from)) is not None:
             from meshtrain.hf.weights import load_params
-            params = load_params(directory, setup.cfg.model, abstract_params(setup), setup.state_shardings.params)
+            params = load_params(directory, setup.cfg.model, abstract_params(setup), setup.state_shardings.params,
+                                 moe=setup.cfg.moe)
             return state_from_params(setup, params), None
         return init_state(setup), None
     shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
@@ -42,7 +43,11 @@ SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_f
 MOE_SHAPE_FIELDS = ("n_experts", "d_ff_expert", "n_shared", "every")
 # Fields that decide which tokens each step trains on.
 DATA_FIELDS = (("train", "seed"), ("train", "global_batch"), ("data", "source"), ("data", "path"),
-               ("data", "dtype"), ("data", "seq_len"))
+               ("data", "dtype"), ("data", "seq_len"), ("data", "tokenizer"), ("data", "text_column"),
+               ("data", "mixture"), ("data", "eos_id"))
+# The data fields only some sources read; for the others a change means nothing.
+SOURCE_FIELDS = {"path": ("file", "hf"), "dtype": ("file",), "tokenizer": ("hf",), "text_column": ("hf",),
+                 "mixture": ("hf",), "eos_id": ("hf",)}
 
 
 def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
@@ -63,16 +68,22 @@ def check_compatible(cfg: Config, saved: dict, directory, step: int) -> None:
         problems.append(f"precision.matmul={cfg.precision.matmul!r} (fp8_amax_history={cfg.precision.fp8_amax_history}, "
                         f"fp8_exclude={cfg.precision.fp8_exclude!r}) keeps other fp8 state than the checkpoint's "
                         f"precision.matmul={saved['precision'].get('matmul', 'bf16')!r}")
+    # The optimizer decides the state's tree (its moments, Adafactor's factored statistics); checkpoints older
+    # than train.optimizer are AdamW's.
+    saved_optimizer = saved.get("train", {}).get("optimizer", "adamw")
+    if saved_optimizer != cfg.train.optimizer:
+        problems.append(f"train.optimizer={cfg.train.optimizer!r} keeps another state than the checkpoint's "
+                        f"train.optimizer={saved_optimizer!r}")
     if problems:
         raise ConfigError([f"checkpoint.dir={str(directory)!r} step {step} is another model: {p}; resume with the "
                            f"same model settings or point checkpoint.dir elsewhere" for p in problems])
     if cfg.checkpoint.allow_data_change:
         return
     current = cfg.to_dict()
-    from_file = "file" in (cfg.data.source, saved.get("data", {}).get("source"))  # else path and dtype are unused
+    sources = {cfg.data.source, saved.get("data", {}).get("source")}
     changed = [(f"{sec}.{k}", current[sec][k], saved[sec][k]) for sec, k in DATA_FIELDS
                if k in saved.get(sec, {}) and saved[sec][k] != current[sec][k]
-               and (from_file or k not in ("path", "dtype"))]
+               and (k not in SOURCE_FIELDS or sources & set(SOURCE_FIELDS[k]))]
     if changed:
         raise ConfigError([f"{name}={now!r} but checkpoint.dir={str(directory)!r} step {step} was trained with "
                            f"{was!r}: the resumed run would train on other batches; set {name}={was!r}, or "

@@ -74,9 +74,9 @@ def train_from(cfg) -> int:
     quiet_checkpoint_logs()
     started = launch.start(cfg, memory_guard=cfg.run.memory_guard)
     cfg, mesh = started.cfg, started.mesh
-    launch.banner(cfg, mesh, started.exe)
+    banner = launch.banner(cfg, mesh, started.exe)
     try:
-        result = train(cfg, mesh)  # a ConfigError here too is one line per problem and 2 (launch.guarded)
+        result = train(cfg, mesh, banner)  # a ConfigError here too is one line per problem and 2 (launch.guarded)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

@@ -30,6 +30,7 @@ from meshtrain.profile.window import StepTrace
 from meshtrain.resume import keep_saved_schedule, restore_or_init
 from meshtrain.step.state import Setup, TrainState, build_setup, make_batches
 from meshtrain.step.train_step import make_train_step
+from meshtrain.tracking import open_trackers
 
 
 class NonFiniteError(RuntimeError):
@@ -46,15 +47,16 @@ class RunResult:
     saved_on_stop: bool = False  # a checkpoint holds the step the run stopped at
 
 
-def train(cfg: Config, mesh: jax.sharding.Mesh) -> RunResult:
+def train(cfg: Config, mesh: jax.sharding.Mesh, banner: str = "") -> RunResult:
+    """`banner`: the start-up lines printed before (launch.banner); the trackers record them with the config."""
     # One run per run.dir and checkpoint.dir: a second one would delete or rotate the first one's steps.
     use_ckpt = cfg.checkpoint.every > 0 or cfg.checkpoint.final or Checkpointer.exists(cfg.checkpoint_dir)
     dirs = [("run.dir", cfg.run.dir)] + ([("checkpoint.dir", cfg.checkpoint_dir)] if use_ckpt else [])
     with RunLock(dirs):
-        return _train(cfg, mesh, use_ckpt)
+        return _train(cfg, mesh, use_ckpt, banner)
 
 
-def _train(cfg: Config, mesh: jax.sharding.Mesh, use_ckpt: bool) -> RunResult:
+def _train(cfg: Config, mesh: jax.sharding.Mesh, use_ckpt: bool, banner: str) -> RunResult:
     t = cfg.train
     setup = build_setup(cfg, mesh)
     ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
@@ -70,7 +72,7 @@ def _train(cfg: Config, mesh: jax.sharding.Mesh, use_ckpt: bool) -> RunResult:
         print(f"checkpoint at step {start} already reaches train.steps={t.steps}; nothing to do")
         return RunResult(final_step=start, resumed_from=resumed)
 
-    loop = _Loop(setup, state, ckpt, resumed, state_s)
+    loop = _Loop(setup, state, ckpt, resumed, state_s, banner)
     with signals.loop() as stop:  # SIGTERM/SIGINT: save and stop after the current step (preemption)
         try:
             for step in range(start, t.steps):
@@ -82,8 +84,10 @@ def _train(cfg: Config, mesh: jax.sharding.Mesh, use_ckpt: bool) -> RunResult:
                     break
             loop.read_previous()  # the last step's metrics
             loop.finish(stop.signum if stop.raised else 0)
-        finally:
-            loop.close()
+        except BaseException:
+            loop.close(failed=True)  # the trackers mark the run failed (W&B: its exit code)
+            raise
+        loop.close()
     return loop.result
 
 
@@ -91,7 +95,7 @@ class _Loop:
     """The loop's state and its named steps (see the module docstring)."""
 
     def __init__(self, setup: Setup, state: TrainState, ckpt: Checkpointer | None, resumed: int | None,
-                 state_s: float):
+                 state_s: float, banner: str):
         cfg, t = setup.cfg, setup.cfg.train
         self.setup, self.state, self.ckpt, self.t = setup, state, ckpt, t
         start = int(state.step)
@@ -106,14 +110,18 @@ class _Loop:
         self.flops_step = flops_per_token(cfg.model, n_active, cfg.data.seq_len) * self.tokens_per_step
         self.peak = peak_flops(setup.mesh.devices.flat[0])
         self.n_dev = setup.mesh.devices.size
+        trackers = []
         if jax.process_index() == 0:  # before the progress bar exists, so the two never share a line
             where = f"resumed from step {resumed}" if resumed is not None else (
                 f"initialized from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from else "fresh start")
             active = f" ({n_active / 1e6:.2f}M active)" if n_active != n_params else ""
-            print(f"meshtrain: {n_params / 1e6:.2f}M parameters{active}, {self.tokens_per_step:,} tokens/step, "
-                  f"{where} (state ready in {state_s:.1f} s)", flush=True)
+            line = (f"meshtrain: {n_params / 1e6:.2f}M parameters{active}, {self.tokens_per_step:,} tokens/step, "
+                    f"{where} (state ready in {state_s:.1f} s)")
+            print(line, flush=True)
+            # Only the process that writes metrics tracks them (meshtrain/tracking.py says why).
+            trackers = open_trackers(cfg, "\n".join(filter(None, [banner, line])), resumed=start > 0)
         self.log = MetricsLog(cfg.run.dir, total_steps=t.steps, first_step=start, progress=cfg.run.progress,
-                              tensorboard=cfg.run.tensorboard)
+                              trackers=trackers)
         self.timer = Throughput()
         self.trace = StepTrace(cfg.run, start, self.log.write)
         self.feed = batch_feed(make_batches(setup).batch, range(start, t.steps), cfg.data.prefetch)
@@ -194,10 +202,10 @@ class _Loop:
                            f"(checkpoint.every=0, checkpoint.final=false): this run cannot be resumed; set "
                            f"checkpoint.final=true or checkpoint.every to make it so")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.feed.close()
         self.trace.stop()
-        self.log.close()
+        self.log.close(failed)
         if self.ckpt:
             try:
                 self.ckpt.wait()

@@ -1,7 +1,8 @@
 """Live Hugging Face round trip: start a run from a HF directory, train, export, load the export with
-`transformers.LlamaForCausalLM.from_pretrained`, and compare its fp32 logits with meshtrain's.
+`transformers.AutoModelForCausalLM.from_pretrained`, and compare its fp32 logits with meshtrain's.
 
     PYTHONPATH=. python scripts/hf_round_trip.py --out results/hf_round_trip [--fixture tests/fixtures/hf/llama31_tied]
+        [section.key=value ...]      # e.g. --fixture tests/fixtures/hf/mixtral mesh.dp=1 mesh.ep=2
 
 Needs torch and transformers (the GPU machine has both; CI does not, and checks the pieces against
 stored fixtures instead). Runs on whatever jax finds: every visible GPU, or 8 simulated CPU devices.
@@ -19,12 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4
 
 
-def round_trip(work: Path, fixture: Path, steps: int = 3) -> dict:
+def round_trip(work: Path, fixture: Path, steps: int = 3, overrides: tuple[str, ...] = ()) -> dict:
     from meshtrain import run
     run_dir = work / "run"
     rc = run.main([f"checkpoint.init_from=hf:{fixture}", f"train.steps={steps}", f"checkpoint.every={steps}",
                    "train.global_batch=8", "data.seq_len=32", "precision.compute=float32", "train.log_every=1",
-                   "train.lr=1e-2", "train.warmup_steps=0", "run.progress=false", f"run.dir={run_dir}"])
+                   "train.lr=1e-2", "train.warmup_steps=0", "run.progress=false", f"run.dir={run_dir}", *overrides])
     if rc != 0:
         raise RuntimeError(f"training from {fixture} failed with exit status {rc}")
 
@@ -40,8 +41,11 @@ def round_trip(work: Path, fixture: Path, steps: int = 3) -> dict:
     step, files = export(str(run_dir), exported)
     tokens = np.load(fixture / "reference.npz")["tokens"]
     loaded = load(str(run_dir), ["precision.compute=float32"])
-    ours = np.asarray(forward_logits(loaded.setup, loaded.params, tokens))
-    model = transformers.LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    # An MoE model's expert dispatch needs whole rows on every batch shard (dp, fsdp, ep): repeat the rows.
+    shape = loaded.setup.mesh.shape
+    copies = -(-shape["dp"] * shape["fsdp"] * shape["ep"] // len(tokens))
+    ours = np.asarray(forward_logits(loaded.setup, loaded.params, np.tile(tokens, (copies, 1))))[: len(tokens)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens).long()).logits.float().numpy()
     untrained = np.load(fixture / "reference.npz")["logits"]
@@ -55,11 +59,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fixture", default=str(ROOT / "tests" / "fixtures" / "hf" / "llama31_tied"))
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="for the training run (the mesh, ...)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    result = round_trip(out, Path(args.fixture))
+    result = round_trip(out, Path(args.fixture), overrides=tuple(args.overrides))
     result["seconds"] = time.time() - start
     result["ok"] = result["max_abs_diff"] <= TOLERANCE and result["moved_by_training"] > 1e-3
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")

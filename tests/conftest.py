@@ -49,8 +49,13 @@ COSTLIEST_FILES_FIRST = (
     "test_train_step.py",  # 240
     "test_moe_equivalence.py",  # 217
     "test_readme_commands.py",  # 212
+    "test_slurm.py",  # 145-205 on a shared machine, + ~30 s of apt-get on a fresh one
+    "test_data_sources.py",  # ~130 (its 1,000-step resumed run: 108)
     "test_planning.py",  # 118
     "test_kernels_in_model.py",  # 116
+    "test_pipeline_fp8.py",  # ~110
+    "test_optimizers.py",  # ~100
+    "test_tracking.py",  # 75-115 on a shared machine
 )
 
 

@@ -212,14 +212,16 @@ def test_missing_optional_packages_name_the_readme_install_line(without, tmp_pat
     from meshtrain.config import ConfigError, build_config
     from meshtrain.config.run_checks import run_problems
 
-    without({"tokenizers", "tensorboardX"})
+    without({"tokenizers", "tensorboardX", "wandb"})
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match=re.escape('needs the tokenizers package: pip install -e ".[data]"')):
         generate.pick_tokenizer(None, tmp_path, 256)  # the README's generate on an HF fine-tune
-    assert run_problems(build_config({}, ["run.tensorboard=true"])) == [
-        'run.tensorboard=true needs the tensorboardX package: pip install -e ".[tensorboard]"']
+    assert run_problems(build_config({}, ["run.tracker=tensorboard,wandb"])) == [
+        'run.tracker=tensorboard needs the tensorboardX package: pip install -e ".[tensorboard]"',
+        'run.tracker=wandb needs the wandb package: pip install -e ".[wandb]"']
     extras = tomllib.loads(open("pyproject.toml").read())["project"]["optional-dependencies"]
     assert any(d.startswith("tensorboard>") for d in extras["tensorboard"])  # the viewer the messages name
+    assert any(d.startswith("wandb>") for d in extras["wandb"]) and any(d.startswith("wandb>") for d in extras["test"])
 
 
 def test_banner_names_the_data_source_and_the_matmul_recipe(capsys):
@@ -278,4 +280,5 @@ def test_python_dash_m_meshtrain_lists_the_commands():
 
     proc = subprocess.run([sys.executable, "-m", "meshtrain"], capture_output=True, text=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
-    assert "python -m meshtrain.run" in proc.stdout and "python -m meshtrain.generate" in proc.stdout
+    assert "python -m meshtrain.<command>" in proc.stdout
+    assert "meshtrain run " in proc.stdout and "meshtrain generate " in proc.stdout

@@ -22,7 +22,7 @@ from meshtrain.step.state import abstract_params, make_batches
 HF = FIXTURES / "llama_sharded"
 RUN = [f"checkpoint.init_from=hf:{HF}", "train.steps=2", "train.global_batch=8", "data.seq_len=16",
        "precision.compute=float32", "train.log_every=1", "eval.every=1", "eval.batches=2", "checkpoint.every=2",
-       "run.tensorboard=true", "run.progress=false", "train.lr=1e-2", "train.warmup_steps=0"]
+       "run.tracker=tensorboard", "run.progress=false", "train.lr=1e-2", "train.warmup_steps=0"]
 
 
 @pytest.fixture(scope="module")

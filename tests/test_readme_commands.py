@@ -23,6 +23,9 @@ from meshtrain.launch import on_cpu
 ROOT = Path(__file__).resolve().parents[1]
 GPU_ONLY = ("_h100", "llama3_8b", "bench_moe.py", "launch_local.sh", "compare_runs.py runs/one_process", "[gpu]")
 SMALL = {"train.steps": "4", "checkpoint.every": "2", "eval.every": "2"}
+# Commands for a SLURM cluster: tests/test_slurm.py runs the CPU one on a cluster of its own.
+CLUSTER_ONLY = ("sbatch ",)
+ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")  # `WANDB_MODE=offline python -m ...`
 
 
 def readme_commands() -> list[str]:
@@ -38,8 +41,12 @@ def readme_commands() -> list[str]:
 
 
 def small(cmd: str) -> list[str]:
-    """The command's arguments, with its run shortened (the README's own values replaced, others added)."""
+    """The command's arguments, with its run shortened (the README's own values replaced, others added); the
+    environment assignments before it stay in front."""
     args = shlex.split(cmd)
+    n_env = next((i for i, a in enumerate(args) if not ENV_ASSIGNMENT.fullmatch(a)), len(args))
+    if n_env:
+        return args[:n_env] + small(shlex.join(args[n_env:]))
     if args[:3] != ["python", "-m", "meshtrain.run"] or {"--help", "--print-config"} & set(args):
         return args
     given = {a.split("=")[0] for a in args if "=" in a}
@@ -68,10 +75,11 @@ def test_every_readme_command_works_as_written(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     ran = []
     for cmd in readme_commands():
-        if any(g in cmd for g in GPU_ONLY):
+        if any(g in cmd for g in GPU_ONLY + CLUSTER_ONLY):
             continue
         args = small(cmd)
-        args[0] = sys.executable if args[0] == "python" else args[0]
+        n_env = next(i for i, a in enumerate(args) if not ENV_ASSIGNMENT.fullmatch(a))
+        args[n_env] = sys.executable if args[n_env] == "python" else args[n_env]
         shell = " ".join(shlex.quote(a) if "*" not in a else a for a in args)  # corpus/*.txt: the shell's glob
         proc = subprocess.run(shell, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
         ran.append(cmd)

@@ -69,6 +69,27 @@ def _renamed(values: dict[str, Any], text: dict[str, str], noted: set[str]) -> l
     return problems
 
 
+def _old_tensorboard(values: dict[str, Any], text: dict[str, str], noted: set[str]) -> list[str]:
+    """run.tensorboard=true, the old switch, is read as `tensorboard` added to run.tracker of the same layer (a
+    note on stderr) until the next release; false says nothing. Saved checkpoints' configs carry it too."""
+    if "run.tensorboard" not in values:
+        return []
+    try:
+        on = _coerce("run.tensorboard", values.pop("run.tensorboard"), bool)
+    except ConfigError as e:
+        return e.problems
+    if on:
+        given = str(text.get("run.tracker", values.get("run.tracker")) or "")
+        values["run.tracker"] = ",".join(dict.fromkeys([t.strip() for t in given.split(",") if t.strip()]
+                                                       + ["tensorboard"]))
+        text.pop("run.tracker", None)
+        if "run.tensorboard" not in noted:
+            noted.add("run.tensorboard")
+            print("config: run.tensorboard=true is now run.tracker=tensorboard (a comma list: tensorboard,wandb; the "
+                  "old switch is accepted until the next release)", file=sys.stderr)
+    return []
+
+
 def _coerce(key: str, raw: Any, tp: Any) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise ConfigError naming the key."""
     origin = get_origin(tp)
@@ -170,7 +191,7 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
         for k, v in values.items():
             flat[f"{section}.{k}"] = v
     noted: set[str] = set()
-    problems.extend(_renamed(flat, {}, noted))
+    problems.extend(_renamed(flat, {}, noted) + _old_tensorboard(flat, {}, noted))
     cli: dict[str, Any] = {}
     for item in overrides or []:
         if "=" not in item:
@@ -179,7 +200,7 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
         k, v = item.split("=", 1)
         cli[k.strip()] = _parse_cli_value(v)
         cli_text[k.strip()] = v
-    problems.extend(_renamed(cli, cli_text, noted))
+    problems.extend(_renamed(cli, cli_text, noted) + _old_tensorboard(cli, cli_text, noted))
     flat.update(cli)
 
     # The preset first, so that explicit model fields override it.
@@ -208,9 +229,9 @@ def build_config(file_values: dict[str, Any] | None = None, overrides: list[str]
             problems.extend(e.problems)
     # A Hugging Face model decides the shape: its config.json goes over the preset (from_hf.py).
     if str(per_section["checkpoint"].get("init_from", "")).startswith("hf:"):
-        explicit = {k[6:]: per_section["model"][k[6:]] for k in flat
-                    if k.startswith("model.") and k in valid and k[6:] in per_section["model"]}
-        problems.extend(apply_hf_values(per_section["model"], explicit, hf_dir(per_section["checkpoint"]["init_from"])))
+        named = [(k, *k.split(".", 1)) for k in flat if k in valid and k.startswith(("model.", "moe."))]
+        explicit = {k: per_section[s][f] for k, s, f in named if f in per_section[s]}
+        problems.extend(apply_hf_values(per_section, explicit, hf_dir(per_section["checkpoint"]["init_from"])))
     # Read before jax starts (run.py simulates the CPU devices), so it cannot wait for validate().
     cpu_devices = per_section["run"].get("cpu_devices", RunConfig.cpu_devices)
     if cpu_devices < 1:

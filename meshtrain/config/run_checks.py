@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Iterable
 
 from meshtrain.config.schema import (
-    CHECKPOINT_POINTS, MATMUL_SITES, REMAT_FIXED, Config, fp8_exclude_patterns, profile_range,
+    CHECKPOINT_POINTS, MATMUL_SITES, REMAT_FIXED, TRACKERS, Config, fp8_exclude_patterns, profile_range,
+    tracker_names,
 )
+from meshtrain.config.text_sources import text_source_problems
 
 
 def value_problems(cfg: Config) -> list[str]:
@@ -64,6 +66,8 @@ def train_problems(cfg: Config) -> list[str]:
         (t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
         (t.lr > 0, f"train.lr={t.lr}: must be > 0"),
         (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]"),
+        (0 < t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction}: must be in (0, 1] (the share of the "
+                                    f"schedule that train.lr_schedule=wsd spends decaying, e.g. 0.2)"),
         (t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 disables clipping)"),
         (t.max_nonfinite >= 1, f"train.max_nonfinite={t.max_nonfinite}: must be >= 1"),
     ]
@@ -139,13 +143,16 @@ def data_problems(cfg: Config) -> list[str]:
             (bool(d.path), "data.path is empty: data.source=file needs a token file (scripts/prepare_data.py "
                            "makes one)"),
             (not d.path or Path(d.path).is_file(), f"data.path={d.path!r}: no such file"),
+            (not d.eval_path or Path(d.eval_path).is_file(), f"data.eval_path={d.eval_path!r}: no such file"),
         ]
+    if d.source == "hf":
+        missing = missing_package("datasets", "data", "data.source=hf")
+        checks += [(not missing, str(missing)), *((False, p) for p in text_source_problems(d, m.vocab_size))]
     checks += [
         (d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0 (batches built ahead; 0 builds them in the loop)"),
         (0 <= d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction}: must be in [0, 1)"),
-        (not d.eval_path or Path(d.eval_path).is_file(), f"data.eval_path={d.eval_path!r}: no such file"),
         (not (d.source == "synthetic" and (d.eval_fraction or d.eval_path)),
-         "data.eval_fraction and data.eval_path apply to data.source=file; the synthetic corpus draws its eval "
+         "data.eval_fraction and data.eval_path apply to data.source=file or hf; the synthetic corpus draws its eval "
          "batches from a stream of its own"),
     ]
     return failed(checks)
@@ -156,7 +163,7 @@ def eval_problems(cfg: Config) -> list[str]:
     return failed([
         (e.every >= 0, f"eval.every={e.every}: must be >= 0 (0 disables evaluation)"),
         (e.batches >= 1, f"eval.batches={e.batches}: must be >= 1"),
-        (not (d.source == "file" and e.every and not (d.eval_fraction or d.eval_path)),
+        (not (d.source in ("file", "hf") and e.every and not (d.eval_fraction or d.eval_path)),
          f"eval.every={e.every} needs held-out data: set data.eval_fraction (e.g. 0.01, the end of data.path) or "
          f"data.eval_path"),
     ])
@@ -171,13 +178,26 @@ def missing_package(module: str, extra: str, what: str) -> str | None:
 
 
 def run_problems(cfg: Config) -> list[str]:
-    """What the run records (TensorBoard, a device trace) and the GPU memory it takes."""
+    """What the run records (its trackers, a device trace) and the GPU memory it takes."""
     r = cfg.run
-    missing = r.tensorboard and missing_package("tensorboardX", "tensorboard", "run.tensorboard=true")
-    tensorboard = [(not missing, str(missing))]
     memory = [(0 <= r.gpu_memory_fraction <= 1, f"run.gpu_memory_fraction={r.gpu_memory_fraction}: must be in (0, 1], "
                                                 f"or 0 for jax's default (0.75)")]
-    return failed(tensorboard) + profile_problems(cfg) + failed(memory)
+    return tracker_problems(cfg) + profile_problems(cfg) + failed(memory)
+
+
+# The package each tracker writes with, and the extra that installs it.
+TRACKER_PACKAGES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def tracker_problems(cfg: Config) -> list[str]:
+    """run.tracker: known names, each with its package installed (checked here, before any device work)."""
+    names = tracker_names(cfg.run)
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        return [f"run.tracker={cfg.run.tracker!r}: unknown tracker {unknown[0]!r}; a comma list of "
+                f"{', '.join(TRACKERS)}, or empty for none"]
+    missing = (missing_package(*TRACKER_PACKAGES[n], f"run.tracker={n}") for n in names)
+    return [m for m in missing if m]
 
 
 def profile_problems(cfg: Config) -> list[str]:

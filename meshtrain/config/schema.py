@@ -30,6 +30,8 @@ MATMUL_SITES = (
 # precision.fp8_exclude's default: the head, whose rounding reaches every logit, and the expert GEMMs,
 # which have no fp8 recipe yet (they run in the compute dtype whatever the recipe says).
 FP8_EXCLUDE_DEFAULT = ("lm_head", "moe.*")
+# run.tracker's names: where metrics go besides metrics.jsonl (meshtrain/tracking.py).
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 RoPE: short-wavelength bound = rope_original_max_len / this
     rope_original_max_len: int = 8192  # llama3 RoPE scaling: the context length the model was pretrained at
     norm_eps: float = 1e-6  # RMSNorm epsilon
+    # all_heads: one RMSNorm over each token's whole q projection (all heads together) and one over its k,
+    # before RoPE (OLMoE); none: q and k go to RoPE as projected (Llama, Mixtral).
+    qk_norm: Literal["none", "all_heads"] = "none"
     init_std: float = 0.02  # std of the normal initialization of a fresh model
     attention: Literal["auto", "reference", "cudnn", "pallas"] = "auto"  # auto: cudnn on GPUs (bf16/fp16)
     # Which flash-attention kernels the Pallas path runs (pallas_kernels.flash_attention's backend): auto is
@@ -111,6 +116,10 @@ class MoEConfig:
     n_shared: int = 0  # shared experts every token also passes through (one SwiGLU n_shared x as wide)
     every: int = 1  # an MoE FFN in layers every-1, 2*every-1, ...; dense SwiGLU in the others
     router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: top-k scores normalized (DeepSeek-V3)
+    # The weights of a token's top-k experts: scores (the router's softmax probabilities or sigmoid scores as they
+    # are: Switch, OLMoE) or normalized to sum to 1 (Mixtral, DeepSeek-V3); auto: scores for softmax, normalized
+    # for sigmoid.
+    top_k_weights: Literal["auto", "scores", "normalized"] = "auto"
     capacity_factor: float = 0.0  # 0: dropless; > 0: GShard capacity per expert, overflow skips via the residual
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch/GShard form), per MoE layer
     z_loss_coef: float = 0.001  # router z-loss (ST-MoE), per MoE layer
@@ -131,6 +140,10 @@ class MoEConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.enabled and (i + 1) % self.every == 0
 
+    @property
+    def normalize_top_k(self) -> bool:
+        return self.top_k_weights == "normalized" or (self.top_k_weights == "auto" and self.router == "sigmoid")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -141,14 +154,21 @@ class TrainConfig:
     zero_stage: int = 1  # what fsdp shards: 1 optimizer state, 2 + gradients, 3 + parameters
     remat: str = "none"  # none | full | save_dots | save_dots_attn | save_attn | names:<point>,<point>...
     seed: int = 0  # initialization and data order; RNG derives from (seed, step)
-    lr: float = 3e-3  # peak learning rate (AdamW; linear warmup, cosine decay)
+    # optax's adamw; adafactor (factored second moment, no first); lion (sign updates: usually a 3-10x
+    # smaller lr); muon (orthogonalized momentum on the blocks' matrices, AdamW on the rest). step/optim.py.
+    optimizer: Literal["adamw", "adafactor", "lion", "muon"] = "adamw"
+    lr: float = 3e-3  # peak learning rate, reached at the end of the warmup
+    # After the linear warmup: cosine or linear decay to lr*min_lr_ratio at the schedule's end, constant, or
+    # wsd (warmup-stable-decay: lr, then a linear decay over the last train.decay_fraction). step/lr_schedules.py.
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
     min_lr_ratio: float = 0.1  # the rate at the schedule's end, as a fraction of lr
     warmup_steps: int = 10  # linear warmup from 0 to lr
-    weight_decay: float = 0.1  # AdamW decoupled weight decay
-    b1: float = 0.9  # Adam first-moment decay
-    b2: float = 0.95  # Adam second-moment decay
-    # Adam's first moment in bfloat16 halves its memory and traffic (2 bytes a parameter less to keep,
-    # read and write); the second moment stays fp32, whose range and small updates bf16 would lose.
+    decay_fraction: float = 0.2  # lr_schedule=wsd: the share of the schedule's steps spent decaying
+    weight_decay: float = 0.1  # decoupled weight decay, scaled by the rate as in AdamW; never on norm scales
+    b1: float = 0.9  # Adam first-moment decay (lion: its update's interpolation; muon: its AdamW part)
+    b2: float = 0.95  # Adam second-moment decay (lion: its momentum's decay; muon: its AdamW part)
+    # The first moment (adamw, lion, muon) in bfloat16 halves its memory and traffic (2 bytes a parameter less
+    # to keep, read and write); Adam's second moment stays fp32, whose range and small updates bf16 would lose.
     adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_clip: float = 1.0  # global-norm clip; 0 disables
     log_every: int = 10  # steps between printed and logged metrics
@@ -161,14 +181,22 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: Literal["synthetic", "file"] = "synthetic"  # synthetic: the built-in learnable corpus; file: data.path
-    path: str = ""  # token file (.bin raw or .npy) for source=file
+    # synthetic: the built-in learnable corpus; file: a token file (data.path); hf: text documents (data.path or
+    # data.mixture) tokenized on the fly by data.tokenizer (meshtrain/documents)
+    source: Literal["synthetic", "file", "hf"] = "synthetic"
+    path: str = ""  # file: token file (.bin raw or .npy); hf: saved dataset dir, parquet/JSONL file, dir or glob
     dtype: Literal["uint16", "uint32"] = "uint16"  # element type of a raw .bin token file
     seq_len: int = 64  # tokens per sequence
     document_mask: bool = False  # split packed rows after data.eos_id: positions restart, no cross-document attention
-    eos_id: int = -1  # end-of-document token id (needed by document_mask)
-    eval_fraction: float = 0.0  # source=file: hold out this last fraction of the file's windows for eval
-    eval_path: str = ""  # a separate token file for eval (same dtype); wins over eval_fraction
+    eos_id: int = -1  # end-of-document token id (needed by document_mask, and by source=hf between documents)
+    eval_fraction: float = 0.0  # hold out this last fraction of the file's windows (hf: of each source's documents)
+    eval_path: str = ""  # separate eval data (file: a token file of the same dtype; hf: a text source); wins over eval_fraction
+    tokenizer: str = ""  # source=hf: a Hugging Face tokenizer.json, or a directory holding one
+    text_column: str = "text"  # source=hf: the column (JSON key) holding each document's text
+    # source=hf: several sources instead of data.path, "PATH:WEIGHT,PATH:WEIGHT" (weights relative: the share of
+    # rows each source fills)
+    mixture: str = ""
+    cache_dir: str = ""  # source=hf: Arrow copies and per-document token counts; empty: <run.dir>/data_cache
     prefetch: int = 2  # training batches built ahead on a background thread (meshtrain/prefetch.py); 0: in the loop
 
 
@@ -201,9 +229,9 @@ class CheckpointConfig:
     final: bool = True  # also save after the last step and when SIGTERM/Ctrl-C stops the run
     keep: int = 3  # keep the last N committed checkpoints
     async_save: bool = True  # write checkpoints in the background while training goes on
-    init_from: str = ""  # hf:DIR starts a fresh run from a Hugging Face Llama directory (its shape too)
+    init_from: str = ""  # hf:DIR starts a fresh run from a Hugging Face Llama, OLMoE or Mixtral directory (its shape too)
     timeout_s: int = 600  # a checkpoint write that takes longer fails (and stops the run) instead of hanging
-    allow_data_change: bool = False  # resume even though train.seed/global_batch or data.source/path/dtype/seq_len changed
+    allow_data_change: bool = False  # resume even though train.seed/global_batch or the data's fields (source, path, ...) changed
 
 
 @dataclass(frozen=True)
@@ -234,7 +262,12 @@ class RunConfig:
     # jax starts unless the environment sets it); 0 keeps jax's 0.75. A process alone on its GPUs can
     # take 0.9-0.95 for larger batches.
     gpu_memory_fraction: float = 0.0
-    tensorboard: bool = False  # also write every metric as TensorBoard events to <run.dir>/tensorboard
+    # Where every logged metric also goes (meshtrain/tracking.py), a comma list, empty for none: tensorboard
+    # (events in <run.dir>/tensorboard), wandb (Weights & Biases; WANDB_MODE=offline logs locally only).
+    tracker: str = ""
+    wandb_project: str = ""  # empty: WANDB_PROJECT, else "meshtrain"
+    wandb_name: str = ""  # the W&B run's name; empty: WANDB_NAME, else run.dir's last part
+    wandb_dir: str = ""  # W&B writes its files under <this>/wandb; empty: WANDB_DIR, else run.dir
     # "START:END": trace the steps that take the state's step counter from START to END into
     # <run.dir>/profile (docs/PROFILE.md); empty for none.
     profile_steps: str = ""
@@ -282,6 +315,11 @@ def profile_range(text: str) -> tuple[int, int] | None:
         return (int(start), int(end)) if sep else None
     except ValueError:
         return None
+
+
+def tracker_names(run: RunConfig) -> tuple[str, ...]:
+    """run.tracker "tensorboard, wandb" -> ("tensorboard", "wandb"); validate() checks the names against TRACKERS."""
+    return tuple(dict.fromkeys(t.strip() for t in run.tracker.split(",") if t.strip()))
 
 
 def with_mesh(cfg: Config, degrees: dict[str, int]) -> Config:

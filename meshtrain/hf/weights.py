@@ -1,21 +1,10 @@
-"""Hugging Face Llama tensors <-> meshtrain parameters, through the safetensors library.
+"""Hugging Face tensors <-> meshtrain parameters, through the safetensors library (Llama, OLMoE, Mixtral:
+the names and layouts are in mapping.py).
 
-    HF tensor (torch Linear: [out, in])              meshtrain parameter (scanned: leading L axis)
-    model.embed_tokens.weight   [V, D]               embedding        [Vp, D]   (Vp: V padded for tp)
-    model.layers.i.self_attn.q_proj.weight [H*E, D]  layers/attn/wq   [L, D, H, E]
-                           k_proj, v_proj  [K*E, D]  layers/attn/wk,wv[L, D, K, E]
-                           o_proj          [D, H*E]  layers/attn/wo   [L, H, E, D]
-    model.layers.i.mlp.gate_proj, up_proj  [F, D]    layers/mlp/w_gate,w_up [L, D, F]
-                       down_proj           [D, F]    layers/mlp/w_down[L, F, D]
-    model.layers.i.input_layernorm.weight  [D]       layers/attn_norm/scale [L, D]
-    model.layers.i.post_attention_layernorm.weight   layers/mlp_norm/scale  [L, D]
-    model.norm.weight           [D]                  final_norm/scale [D]
-    lm_head.weight              [V, D]               lm_head          [D, Vp]  (absent when tied)
-
-No permutation of q/k is needed: HF's Llama and meshtrain both rotate halves (pairs (i, i + E/2)).
-Loading builds each parameter straight into its sharding on the mesh: every device's shard is cut
-from one host copy of that tensor (`jax.make_array_from_callback`), one parameter at a time, so the
-host holds at most one full parameter beyond what safetensors memory-maps.
+Loading builds each parameter straight into its sharding on the mesh (`jax.make_array_from_callback`),
+one parameter at a time. A dense parameter's shards are cut from one host copy of it; an expert weight
+[L, X, ...] is read per shard, only the layers and experts that shard holds, so the host never holds a
+whole stack of experts (Mixtral-8x7B's w_gate alone is 60 GB in fp32).
 """
 from __future__ import annotations
 
@@ -31,43 +20,15 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from meshtrain.config import ConfigError, ModelConfig
+from meshtrain.config import ConfigError, ModelConfig, MoEConfig
+from meshtrain.hf.config import architecture
+from meshtrain.hf.mapping import EXPERT, hf_shapes, layer_names, layer_table
+
+__all__ = ["SafetensorsDir", "check_tensors", "hf_shapes", "hf_tensors", "load_params", "save_tensors"]
 
 INDEX = "model.safetensors.index.json"
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older checkpoints carry; recomputed, never loaded
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-
-def _layer_table(m: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable, Callable]]:
-    d, h, k, e = m.d_model, m.n_heads, m.n_kv_heads, m.kv_dim
-    same = lambda x: x  # noqa: E731
-    return {
-        ("attn", "wq"): ("self_attn.q_proj.weight", lambda w: w.T.reshape(d, h, e), lambda p: p.reshape(d, h * e).T),
-        ("attn", "wk"): ("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, e), lambda p: p.reshape(d, k * e).T),
-        ("attn", "wv"): ("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, e), lambda p: p.reshape(d, k * e).T),
-        ("attn", "wo"): ("self_attn.o_proj.weight", lambda w: w.T.reshape(h, e, d), lambda p: p.reshape(h * e, d).T),
-        ("mlp", "w_gate"): ("mlp.gate_proj.weight", lambda w: w.T, lambda p: p.T),
-        ("mlp", "w_up"): ("mlp.up_proj.weight", lambda w: w.T, lambda p: p.T),
-        ("mlp", "w_down"): ("mlp.down_proj.weight", lambda w: w.T, lambda p: p.T),
-        ("attn_norm", "scale"): ("input_layernorm.weight", same, same),
-        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", same, same),
-    }
-
-
-def hf_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama of this shape stores, with its HF shape."""
-    d, h, k, e, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.kv_dim, m.d_ff, m.vocab_size
-    per_layer = {"self_attn.q_proj.weight": (h * e, d), "self_attn.k_proj.weight": (k * e, d),
-                 "self_attn.v_proj.weight": (k * e, d), "self_attn.o_proj.weight": (d, h * e),
-                 "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
-                 "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
-    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    for i in range(m.n_layers):
-        out.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = (v, d)
-    return out
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -80,6 +41,7 @@ class SafetensorsDir:
         self.directory = Path(directory)
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
+        self._finite: set[str] = set()  # tensors checked already (an expert's is read once per shard holding it)
         self.at = f"checkpoint.init_from=hf:{self.directory}"
         index = self.directory / INDEX
         if index.is_file():
@@ -137,19 +99,22 @@ class SafetensorsDir:
             raise ConfigError(f"{self.at}: tensor {name} cannot be read from {filename} "
                               f"({type(e).__name__}: {str(e)[:160]}); download it again") from None
         if x.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16):
-            raise ConfigError(f"{self.at}: tensor {name} is {x.dtype}; Llama weights are float32, float16 or "
+            raise ConfigError(f"{self.at}: tensor {name} is {x.dtype}; model weights are float32, float16 or "
                               f"bfloat16 (a quantized or foreign checkpoint?)")
-        if not np.isfinite(np.asarray(x, np.float32)).all():
-            raise ConfigError(f"{self.at}: tensor {name} holds NaN or infinite values; the model cannot start from it")
+        if name not in self._finite:
+            if not np.isfinite(np.asarray(x, np.float32)).all():
+                raise ConfigError(f"{self.at}: tensor {name} holds NaN or infinite values; the model cannot start "
+                                  f"from it")
+            self._finite.add(name)
         return x
 
     def close(self) -> None:
         self._stack.close()
 
 
-def check_tensors(src: SafetensorsDir, m: ModelConfig) -> None:
+def check_tensors(src: SafetensorsDir, m: ModelConfig, moe: MoEConfig | None = None) -> None:
     """Every expected tensor present with its shape, nothing unexpected: one ConfigError listing all."""
-    expected = hf_shapes(m)
+    expected = hf_shapes(m, moe)
     have = src.names()
     where = f"checkpoint.init_from=hf:{src.directory}"
     problems = [f"{where}: tensor {n} is missing" for n in sorted(set(expected) - have)]
@@ -157,8 +122,9 @@ def check_tensors(src: SafetensorsDir, m: ModelConfig) -> None:
                  for n, s in sorted(expected.items()) if n in have and src.shape(n) != s]
     extra = sorted(n for n in have - set(expected) if not n.endswith(IGNORED)
                    and not (m.tie_embeddings and n == "lm_head.weight"))
-    problems += [f"{where}: tensor {n} has no place in a Llama of this config (biases? another architecture?)"
-                 for n in extra]
+    kind = architecture(m, moe, exact=False)
+    problems += [f"{where}: tensor {n} has no place in a {kind} model of this config (biases? fused experts, which "
+                 f"save_pretrained(save_original_format=False) writes? another architecture?)" for n in extra]
     if problems:
         raise ConfigError(problems)
 
@@ -167,37 +133,52 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)]) if rows > x.shape[0] else x
 
 
-def host_params(src: SafetensorsDir, m: ModelConfig, abstract_params: Any) -> Iterator[tuple[tuple, np.ndarray]]:
-    """(path in the params tree, fp32 host array in meshtrain's layout) for every leaf of `abstract_params`,
-    one at a time. Padded vocabulary rows (columns of lm_head) are zero; their logits are masked anyway."""
-    table = _layer_table(m)
+Reader = Callable[[tuple], np.ndarray]  # a leaf's index (one slice per axis) -> that block, fp32, meshtrain's layout
+
+
+def host_params(src: SafetensorsDir, m: ModelConfig, abstract_params: Any,
+                moe: MoEConfig | None = None) -> Iterator[tuple[tuple, Reader]]:
+    """(path in the params tree, its Reader) for every leaf of `abstract_params`, one at a time. Padded
+    vocabulary rows (columns of lm_head) are zero; their logits are masked anyway. A dense leaf is read whole
+    once and cut; an expert leaf reads only the layers and experts of the asked block (module docstring)."""
     vocab_padded = abstract_params["embedding"].shape[0]
     scanned = "layer_0" not in abstract_params["layers"]
+    n_experts = moe.n_experts if moe is not None and moe.enabled else 0
     f32 = lambda name: np.asarray(src.get(name), dtype=np.float32)  # noqa: E731
-    yield ("embedding",), _pad_rows(f32("model.embed_tokens.weight"), vocab_padded)
-    yield ("final_norm", "scale"), f32("model.norm.weight")
+    cut = lambda host: lambda idx: host[idx]  # noqa: E731
+    yield ("embedding",), cut(_pad_rows(f32("model.embed_tokens.weight"), vocab_padded))
+    yield ("final_norm", "scale"), cut(f32("model.norm.weight"))
     if not m.tie_embeddings:
-        yield ("lm_head",), _pad_rows(f32("lm_head.weight"), vocab_padded).T
-    for sub, (hf_name, to_ours, _) in table.items():
-        layers = [to_ours(f32(f"model.layers.{i}.{hf_name}")) for i in range(m.n_layers)]
-        if scanned:
-            yield ("layers",) + sub, np.stack(layers)
+        yield ("lm_head",), cut(_pad_rows(f32("lm_head.weight"), vocab_padded).T)
+    for sub, tensor in layer_table(m, moe).items():
+        if EXPERT in tensor.name:
+            def layer(i, idx_xa, tensor=tensor):  # one layer's experts idx_xa[0], each cut to idx_xa[1:]
+                names = layer_names(tensor, i, n_experts)
+                return np.stack([tensor.to_ours(f32(names[x]))[idx_xa[1:]] for x in range(n_experts)[idx_xa[0]]])
         else:
-            for i, w in enumerate(layers):
-                yield ("layers", f"layer_{i}") + sub, w
+            layers = [tensor.to_ours(f32(layer_names(tensor, i, 0)[0])) for i in range(m.n_layers)]
+            layer = lambda i, idx_a, layers=layers: layers[i][idx_a]  # noqa: E731
+        if scanned:
+            yield ("layers",) + sub, lambda idx, layer=layer: np.stack([layer(i, idx[1:])
+                                                                        for i in range(m.n_layers)[idx[0]]])
+        else:
+            for i in range(m.n_layers):
+                yield ("layers", f"layer_{i}") + sub, lambda idx, i=i, layer=layer: layer(i, idx)
 
 
-def load_params(directory: Path, m: ModelConfig, abstract_params: Any, shardings: Any) -> Any:
-    """The parameters of a Hugging Face Llama, each created directly in its sharding (any mesh)."""
+def load_params(directory: Path, m: ModelConfig, abstract_params: Any, shardings: Any,
+                moe: MoEConfig | None = None) -> Any:
+    """The parameters of a Hugging Face model, each created directly in its sharding (any mesh)."""
     src = SafetensorsDir(directory)
     try:
-        check_tensors(src, m)
+        check_tensors(src, m, moe)
         out: dict = {}
-        for path, host in host_params(src, m, abstract_params):
+        for path, read in host_params(src, m, abstract_params, moe):
             leaf, sharding = _at(abstract_params, path), _at(shardings, path)
-            chex.assert_shape(host, leaf.shape)  # the mapping above, not user input: checked already
-            host = host.astype(leaf.dtype)
-            _put(out, path, jax.make_array_from_callback(leaf.shape, sharding, lambda idx, h=host: h[idx]))
+            # make_array_from_callback checks each block's shape against its shard's (the mapping is ours,
+            # config.json's shapes were checked above).
+            block = lambda idx, read=read, leaf=leaf: read(idx).astype(leaf.dtype)  # noqa: E731
+            _put(out, path, jax.make_array_from_callback(leaf.shape, sharding, block))
     finally:
         src.close()
     chex.assert_trees_all_equal_shapes_and_dtypes(out, abstract_params)
@@ -219,9 +200,10 @@ def _put(tree: dict, path: tuple, value: Any) -> None:
 # ------------------------------------------------------------------------------------------- writing
 
 
-def hf_tensors(params: Any, m: ModelConfig, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """Host params (numpy, meshtrain layout, padded vocabulary) -> HF tensors, padding removed."""
-    table = _layer_table(m)
+def hf_tensors(params: Any, m: ModelConfig, dtype: str = "float32", moe: MoEConfig | None = None
+               ) -> dict[str, np.ndarray]:
+    """Host params (numpy, meshtrain layout, padded vocabulary) -> the tensors of `architecture(m, moe)`,
+    padding removed; one tensor per expert, as the Hub stores them."""
     cast = lambda x: np.ascontiguousarray(np.asarray(x, np.float32).astype(DTYPES[dtype]))  # noqa: E731
     v = m.vocab_size
     out = {"model.embed_tokens.weight": cast(params["embedding"][:v]),
@@ -229,10 +211,13 @@ def hf_tensors(params: Any, m: ModelConfig, dtype: str = "float32") -> dict[str,
     if not m.tie_embeddings:
         out["lm_head.weight"] = cast(np.asarray(params["lm_head"])[:, :v].T)
     layers = params["layers"]
-    for sub, (hf_name, _, to_hf) in table.items():
+    n_experts = moe.n_experts if moe is not None and moe.enabled else 0
+    for sub, tensor in layer_table(m, moe).items():
         for i in range(m.n_layers):
-            ours = _at(layers, sub)[i] if "layer_0" not in layers else _at(layers[f"layer_{i}"], sub)
-            out[f"model.layers.{i}.{hf_name}"] = cast(to_hf(np.asarray(ours)))
+            ours = np.asarray(_at(layers, sub)[i] if "layer_0" not in layers else _at(layers[f"layer_{i}"], sub))
+            names = layer_names(tensor, i, n_experts)
+            blocks = list(ours) if EXPERT in tensor.name else [ours]  # experts: [X, ...] -> X tensors
+            out.update({name: cast(tensor.to_hf(block)) for name, block in zip(names, blocks, strict=True)})
     return out
 
 

@@ -95,6 +95,23 @@ class RMSNorm(nn.Module):
         return rms_norm_jnp(x_btd, scale_d, self.eps).astype(self.policy.compute_dtype)
 
 
+class AllHeadsRMSNorm(nn.Module):
+    """RMSNorm over a token's whole projection [.., heads, E] (all heads together, one scale per head and
+    channel), as OLMoE normalizes q and k before RoPE. With heads split over tp, the mean over them is a
+    [B, T] partial sum per rank that the compiler all-reduces; always jnp (two small tensors per layer)."""
+
+    eps: float
+    policy: Precision
+    names: tuple[str, str]  # the scale's logical names: ("heads" or "kv_heads", "head_dim")
+
+    @nn.compact
+    def __call__(self, x_bthe: jax.Array) -> jax.Array:
+        scale_he = param(self, "scale", nn.initializers.ones, x_bthe.shape[-2:], self.names, self.policy.param_dtype)
+        x32 = x_bthe.astype(jnp.float32)
+        inv_bt11 = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=(-2, -1), keepdims=True) + self.eps)
+        return (x32 * inv_bt11 * scale_he.astype(jnp.float32)).astype(x_bthe.dtype)
+
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.1's frequency scaling (transformers' rope_type "llama3")."""

@@ -5,8 +5,10 @@
                  ├─ routed experts (parallel/expert.py: all-to-all over ep, grouped matmuls)
                  └─ shared experts (a dense SwiGLU n_shared·F wide)          y = routed + shared
 
-Routers: `softmax` weights are the top-k softmax probabilities (Switch, OLMoE: not renormalized);
-`sigmoid` scores are per-expert sigmoids, and the top-k of them normalized to sum to 1 (DeepSeek-V3).
+Routers: `softmax` probabilities or `sigmoid` per-expert scores (DeepSeek-V3). The top-k weights are
+those values as they are (moe.top_k_weights=scores: Switch, OLMoE) or normalized to sum to 1 (normalized:
+Mixtral, DeepSeek-V3; for softmax the same as a softmax over the top-k logits); auto: scores for softmax,
+normalized for sigmoid.
 
 Auxiliary losses go to the step through the one loss channel: the `losses` collection holds terms
 already multiplied by their coefficients (the step adds them all); the `metrics` collection holds the
@@ -47,9 +49,10 @@ def route(x_btd: jax.Array, w_router_dx: jax.Array, moe: MoEConfig) -> tuple[jax
         weights_btk, experts_btk = jax.lax.top_k(probs_btx, moe.top_k)
     else:
         scores_btx = jax.nn.sigmoid(logits_btx)
-        top_btk, experts_btk = jax.lax.top_k(scores_btx, moe.top_k)
-        weights_btk = top_btk / jnp.sum(top_btk, axis=-1, keepdims=True)
+        weights_btk, experts_btk = jax.lax.top_k(scores_btx, moe.top_k)
         probs_btx = scores_btx / jnp.sum(scores_btx, axis=-1, keepdims=True)
+    if moe.normalize_top_k:
+        weights_btk = weights_btk / jnp.sum(weights_btk, axis=-1, keepdims=True)
     return logits_btx, probs_btx, experts_btk.astype(jnp.int32), weights_btk
 
 

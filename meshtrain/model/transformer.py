@@ -1,4 +1,5 @@
 """Llama-style decoder: embedding -> L x (RMSNorm, GQA attention, RMSNorm, SwiGLU) -> RMSNorm.
+(model.qk_norm=all_heads adds OLMoE's RMSNorm of the whole q and k projections before RoPE.)
 
 The decoder comes in pieces over one params tree, so that a pipeline stage can run only its own:
 
@@ -29,8 +30,9 @@ from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.attention import attention
 from meshtrain.model.embedding import embedding_lookup
 from meshtrain.model.kv_cache import cached_attention
-from meshtrain.model.layers import (FP8_META, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope, gathered_site_matmuls,
-                                     param, rope_tables, scaled_normal, scattered_site_matmul, site_matmul)
+from meshtrain.model.layers import (FP8_META, AllHeadsRMSNorm, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope,
+                                     gathered_site_matmuls, param, rope_tables, scaled_normal, scattered_site_matmul,
+                                     site_matmul)
 from meshtrain.model.moe import LOSSES, METRICS, MoE
 from meshtrain.model.remat import remat_policy
 from meshtrain.precision import Precision
@@ -86,6 +88,9 @@ class Attention(nn.Module):
             v_btke = site_matmul(self, "attn.wv", "btd,dke->btke", x_btd, wv_dke)
         q_bthe = r.constrain(q_bthe, Q)
         k_btke, v_btke = r.constrain(k_btke, KV), r.constrain(v_btke, KV)
+        if c.qk_norm == "all_heads":
+            q_bthe = AllHeadsRMSNorm(c.norm_eps, p, ("heads", "head_dim"), name="q_norm")(q_bthe)
+            k_btke = AllHeadsRMSNorm(c.norm_eps, p, ("kv_heads", "head_dim"), name="k_norm")(k_btke)
         q_bthe = checkpoint_name(apply_rope(q_bthe, info.cos_btf, info.sin_btf), "qkv")
         k_btke = checkpoint_name(apply_rope(k_btke, info.cos_btf, info.sin_btf), "qkv")
         v_btke = checkpoint_name(v_btke, "qkv")

@@ -228,7 +228,6 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Mem
     tensors = param_tensors(cfg, g["tp"])
     p_res = _sharded_elems(tensors, lay, lay.zero_stage >= 3)
     p_grad = _sharded_elems(tensors, lay, lay.zero_stage >= 2)
-    p_opt = _sharded_elems(tensors, lay, lay.zero_stage >= 1)
 
     params = 4 * p_res
     if lay.zero_stage >= 3:  # one layer gathered for its forward/backward (the scan gathers per layer)
@@ -236,9 +235,7 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Mem
     # Gradients of the whole stack live at once (the scan's stacked output); a second copy when the
     # microbatch loop accumulates them.
     grads = 4 * p_grad * (2 if lay.grad_accum > 1 else 1)
-    # Adam m (fp32, or bf16 with train.adam_mu_dtype) and v (fp32); the update is computed in place of
-    # the donated state.
-    optimizer = (DTYPE_BYTES[cfg.train.adam_mu_dtype] + 4) * p_opt
+    optimizer = optimizer_state_bytes(cfg, tensors, lay)
 
     kept = layer_activation_bytes(cfg, lay, attention_impl)
     full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
@@ -258,6 +255,19 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Mem
     activations = kept * layers_here * held + working + head + batch_in
     return Memory(params, grads, optimizer, activations,
                   detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=held))
+
+
+def optimizer_state_bytes(cfg: Config, tensors: list[Tensor], lay: Layout) -> float:
+    """The optimizer's state on one device (train.optimizer); the update is computed in place of the donated state."""
+    mu = DTYPE_BYTES[cfg.train.adam_mu_dtype]  # the first moment: fp32, or bf16 with train.adam_mu_dtype
+    p_opt = _sharded_elems(tensors, lay, lay.zero_stage >= 1)
+    if cfg.train.optimizer == "lion":  # the momentum alone
+        return mu * p_opt
+    if cfg.train.optimizer == "adafactor":  # a row and a column per matrix: negligible against the parameters
+        return 0.0
+    if cfg.train.optimizer == "muon":  # a momentum everywhere, Adam's fp32 second moment outside the blocks
+        return mu * p_opt + 4 * _sharded_elems([t for t in tensors if not t.layer], lay, lay.zero_stage >= 1)
+    return (mu + 4) * p_opt  # AdamW: m and an fp32 v
 
 
 def playbook_state_bytes(n_params: float, zero_stage: int, n_d: int, *, param_bytes: float = 2,

@@ -16,11 +16,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from meshtrain.config import Config, fp8_exclude_patterns
-from meshtrain.data import Batch, Batches
+from meshtrain.data import Batch, Batches, text_cache_dir
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.transformer import Decoder, init_variables
 from meshtrain.precision import Precision
 from meshtrain.resolve import Execution, resolve_for_mesh
+from meshtrain.step.opt_shardings import opt_state_shardings
 from meshtrain.step.optim import make_optimizer
 from meshtrain.sharding import ZeroLayout, make_rules, replicated
 
@@ -79,20 +80,19 @@ def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     exe = resolve_for_mesh(cfg, mesh)
     model = Decoder(cfg.model, policy, layout.params, exe, cfg.train.remat, document_mask=cfg.data.document_mask,
                     moe=cfg.moe if cfg.moe.enabled else None)
-    optimizer = make_optimizer(cfg.train)
 
     tokens_spec = jax.ShapeDtypeStruct((cfg.train.global_batch // cfg.train.grad_accum, cfg.data.seq_len), jnp.int32)
     # Shapes and logical names only: nothing is computed or allocated here.
     variables = jax.eval_shape(model.init, jax.random.key(0), tokens_spec, tokens_spec, tokens_spec)
     boxed = variables["params"]
     logical = nn.get_partition_spec(boxed)
+    optimizer = make_optimizer(cfg.train, logical)
     model_state_sh = layout.params.tree_shardings(nn.get_partition_spec(_model_state(variables)))
     param_sh = layout.params.tree_shardings(logical)
-    opt_param_sh = layout.opt_state.tree_shardings(logical)
-    abstract_opt = jax.eval_shape(optimizer.init, nn.unbox(boxed))
-    # Optimizer moments mirror the params (ZeRO-1 layout); scalars such as the step count replicate.
-    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_opt, opt_param_sh,
-                                   transform_non_params=lambda _: replicated(mesh))
+    abstract_params = nn.unbox(boxed)
+    # Optimizer state by the parameter it belongs to, in the ZeRO-1 view (step/opt_shardings.py).
+    opt_sh = opt_state_shardings(jax.eval_shape(optimizer.init, abstract_params), abstract_params,
+                                 layout.opt_state.tree_shardings(logical), mesh)
     rep = replicated(mesh)
     state_sh = TrainState(step=rep, params=param_sh, model_state=model_state_sh, opt_state=opt_sh, nonfinite_run=rep,
                           nonfinite_total=rep, loss_scale=rep, scale_good_steps=rep)
@@ -110,7 +110,8 @@ def make_batches(setup: Setup, split: str = "train") -> Batches:
     c = setup.cfg
     return Batches(c.data, vocab_size=c.model.vocab_size, global_batch=c.train.global_batch,
                    grad_accum=c.train.grad_accum, seed=c.train.seed, sharding=setup.batch_sharding,
-                   cp=setup.mesh.shape["cp"], cp_layout=setup.exe.cp_layout, split=split)
+                   cp=setup.mesh.shape["cp"], cp_layout=setup.exe.cp_layout, split=split,
+                   cache_dir=text_cache_dir(c.data, c.run.dir))
 
 
 def init_state(setup: Setup) -> TrainState:

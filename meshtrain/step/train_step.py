@@ -1,8 +1,9 @@
 """The jitted train step: pure, explicitly sharded, the input state donated.
 
 One step = the strategy's gradient sums over `grad_accum` microbatches (step/accumulate.py), divided by
-the step's total token count, clipped, AdamW. A step whose loss or gradient norm is not finite leaves the
-parameters and optimizer state untouched and is counted; the host decides when to give up.
+the step's total token count, then train.optimizer's update (clipping first). A step whose loss or gradient
+norm is not finite leaves the parameters and optimizer state untouched and is counted; the host decides when
+to give up.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from meshtrain.data import Batch
 from meshtrain.precision import update_loss_scale
 from meshtrain.sharding import replicated
 from meshtrain.step.accumulate import make_grad_fn
-from meshtrain.step.optim import lr_schedule
+from meshtrain.step.lr_schedules import lr_schedule
 from meshtrain.step.state import Setup, TrainState
 
 
