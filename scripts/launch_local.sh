@@ -32,7 +32,8 @@ export JAX_COORDINATOR_ADDRESS=127.0.0.1:$PORT JAX_NUM_PROCESSES=$N
 # mid-word). The filter drops those messages, and the bare digits their interleaving leaves behind.
 quiet_gloo() {
     if ((GPUS > 0)); then cat; return; fi
-    sed -u -E -e 's/\[Gloo\] Rank ?| ?is connected to ?| ?peer ranks\. Expected number of connected peer ranks is : ?//g' \
+    # Each fragment goes separately: another thread's line break may split the message anywhere between them.
+    sed -u -E -e 's/\[Gloo\] Rank ?| ?is connected to ?|Expected number of connected peer ranks is : ?| ?peer ranks\. ?//g' \
         -e 't gone' -e '/^[0-9]+$/d' -e b -e ':gone' -e '/^[0-9 ]*$/d'
 }
 

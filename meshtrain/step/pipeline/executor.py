@@ -53,8 +53,8 @@ op of 3 units at its B, which 1F1B places in the same tick anyway. Split B and W
 through the whole chunk (W's weight gradients need the input gradients flowing back through the
 layers after them), so a split microbatch costs about F + 1 + 2 units, where it would cost F + 2.
 Every tick sends one [b, T, D] message each way, whether or not a stage has one. Interleaved and
-dualpipe_v add the exchange of the blocks that change stage per step; the embedding/head psum adds one all-reduce of those
-parameters over pp per step.
+dualpipe_v add the exchange of the blocks that change stage, each way, per step; the embedding/head psum
+adds one all-reduce of those parameters over pp per step (ticks.py `executor_op_units` prices the ops).
 """
 from __future__ import annotations
 
@@ -227,7 +227,6 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         with jax.named_scope(TRANSFER_SCOPE):
             g_layers = join_blocks(exchange(g_layers, inverse, p))
             meta_layers = join_blocks(exchange(meta_c, inverse, p))
-        with jax.named_scope(TRANSFER_SCOPE):
             sums = lax.psum(sums, "pp")
         # A metric's logged value is its mean over the layers that sow it (step/loss.py): p·v chunks of them.
         logged = {"loss": sums["ce"]} | {name: sums[name] / (n * p * v) for name, n in layers_sowing.items()}
@@ -239,7 +238,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
 
     def grad_fn(params, batch: Batch, scale=1.0, model_state=None):
         shared = {name: sub for name, sub in params.items() if name != "layers"}
-        # The layers' fp8_delayed histories (validate keeps every fp8_delayed site inside the layers under pp).
+        # The layers' fp8_delayed histories: every fp8_delayed site is in the layers (run_checks refuses the head).
         model_state = model_state or {}
         meta_layers = model_state.get(FP8_META, {}).get("layers", {})
         g_layers, meta_layers, g_shared, loss, count, logged = program(params["layers"], meta_layers, shared, batch,
