@@ -56,6 +56,8 @@ COSTLIEST_FILES_FIRST = (
     "test_pipeline_fp8.py",  # ~110
     "test_optimizers.py",  # ~100
     "test_tracking.py",  # 75-115 on a shared machine
+    "test_pipeline_moe_resume.py",  # ~80
+    "test_pipeline_documents.py",  # ~45
 )
 
 

@@ -58,6 +58,9 @@ CASES = {
     "interleaved-v2-pp2-sp2-tp2-seqpar": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "mesh.pp=2",
                                           "mesh.sp=2", "mesh.fsdp=1", "mesh.tp=2", "parallel.sequence_parallel=true",
                                           "train.grad_accum=4"],
+    # sp (Ulysses) without tp: each stage's heads all-to-all over sp alone, beside dp
+    "zb_h1-pp2-sp2-dp2": ["pipeline.schedule=zb_h1", "mesh.pp=2", "mesh.sp=2", "mesh.dp=2", "mesh.fsdp=1",
+                          "train.grad_accum=4"],
     # the fused kernels inside the stages (interpreted on the CPU), each called on its device's shard
     "1f1b-pp2-fsdp2-tp2-kernels": ["pipeline.schedule=1f1b", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2",
                                    "train.grad_accum=4", "model.attention=pallas", "model.norm=pallas",
