@@ -97,8 +97,8 @@ def render_text(s: Schedule, units: str = "tick") -> str:
     lanes = "one op per tick" if program.n_lanes == 1 else f"{program.n_lanes} lanes (F, then B) per tick"
     lines += [f"executor: {program.n_ticks} ticks of {lanes}, {program.makespan:g} cost units; peak in flight "
               "per stage " + " ".join(map(str, program.peak_in_flight)),
-              f"executor in what its ops cost (the last chunk's F inside its B; a split W pulls back through the "
-              f"chunk again): {program.op_makespan:g} units"]
+              f"executor in what its ops cost (the last chunk's F inside its B; split, the first chunk's backward "
+              f"all in its W): {program.op_makespan:g} units"]
     if s.split_backward:
         held = " ".join(map(str, s.peak_in_flight_w))
         lines.append(f"peak held until W per stage (weight-grad inputs): {held}")

@@ -113,8 +113,8 @@ def time_single_device(setup, a):
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
-    from meshtrain.step.pipeline.ticks import F, LAST
+    from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
+    from meshtrain.step.pipeline.ticks import B, F, LAST, W
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches
 
@@ -137,9 +137,11 @@ def time_single_device(setup, a):
             lp = cast_sites(setup.model.policy, jax.tree.map(lambda arr: arr[:k], params["layers"]))
             ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
             kind, pos = key
-            kept = []  # what a B or W spends: the stash its chunk's F fills
+            kept = []  # what a B or W spends: the stash its chunk's F fills (and a split B, for W)
             if kind != F and pos != LAST:
                 kept = jax.jit(ops[F, pos])(lp, shared, x, dy, mb, scale, []).kept
+            if kind == W and pos != LAST:
+                kept = Stash.written(kept, jax.jit(ops[B, pos])(lp, shared, x, dy, mb, scale, kept).kept or kept)
             cache[(k, split, key)] = median_ms(jax.jit(ops[key]), lp, shared, x, dy, mb, scale, kept,
                                                steps=a.steps)
         return cache[(k, split, key)]

@@ -121,16 +121,18 @@ def test_cli_reports_the_executors_makespan(capsys):
 
 
 def test_the_programs_time_in_what_its_ops_cost(capsys):
-    """executor_op_units: the last chunk's F runs inside its B (3 units) and a split W pulls back through the chunk
-    again (2), so at pp=2 zb_h1 and dualpipe_v take longer than their makespans say, 1F1B does not. These
-    predicted the measured pp=2 steps on two H100s (docs/PERFORMANCE.md, 2026-11-27): zb_h1 / 1f1b 34/27 = 1.26
-    (measured 1.29), dualpipe_v (half-size chunks) 43/27 = 1.59 (measured 1.58)."""
-    def program(kind, v=1):
-        return tick_tables(make_schedule(kind, 2, 8, v))
+    """executor_op_units: the last chunk's F runs inside its B (3 units); split, a middle chunk's B and W cost 1
+    each but the first chunk's backward is all W (2), so at pp=2 zb_h1 and dualpipe_v take longer than their
+    makespans say, 1F1B does not. Before the split W (W pulled back through the chunk again: 2), these predicted
+    the measured pp=2 steps on two H100s (docs/PERFORMANCE.md, 2026-11-27): zb_h1 / 1f1b 34/27 = 1.26 (measured
+    1.29), dualpipe_v (half-size chunks) 43/27 = 1.59 (measured 1.58); dualpipe_v is 73 (36.5) now."""
+    def program(kind, v=1, p=2):
+        return tick_tables(make_schedule(kind, p, 8, v))
 
     assert program("1f1b").op_makespan == program("1f1b").makespan == 27
     assert program("zb_h1").makespan == 25 and program("zb_h1").op_makespan == 34
     assert program("interleaved", 2).op_makespan == 51  # in half-size chunks: 25.5 of 1F1B's units
-    assert program("dualpipe_v", 2).op_makespan == 86
+    assert program("dualpipe_v", 2).op_makespan == 73
+    assert program("zb_h1", p=4).op_makespan == 49  # the middle stages' W: 56 when it pulled back again
     assert cli.main(["--schedule", "zb_h1", "--pp", "2", "--microbatches", "8"]) == 0
-    assert "pulls back through the chunk again): 34 units" in capsys.readouterr().out
+    assert "the first chunk's backward all in its W): 34 units" in capsys.readouterr().out

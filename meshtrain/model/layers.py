@@ -23,6 +23,11 @@ from meshtrain.precision import Precision
 from meshtrain.sharding import HIDDEN, LogicalNames, ShardingRules
 
 FP8_META = "fp8_meta"  # variable collection of the fp8_delayed amax histories (train state, not params)
+# The split backward of the zero-bubble pipeline schedules (step/pipeline/ops.py) asks the matmul sites for what
+# their weight gradients need, so that it can compute them later without pulling back through the layers again:
+# each input, recorded in SITE_INPUTS under the names of the weights that read it joined by "+" ("wq+wk+wv"), and
+# each output's gradient, read as the gradient of a zero perturbation in SITE_GRADS named like the weight.
+SITE_INPUTS, SITE_GRADS = "site_inputs", "site_grads"
 
 
 def param(module: nn.Module, name: str, init: Callable, shape: Sequence[int], names: Sequence[str | None],
@@ -44,6 +49,21 @@ def site_matmul(module: nn.Module, site: str, subscripts: str, x: jax.Array, w: 
         init = lambda: {k: nn.Partitioned(v, (None,)) for k, v in fp8.init_history(n).items()}  # noqa: E731
         meta = nn.unbox(module.variable(FP8_META, site.rsplit(".", 1)[-1], init).value)
     return policy.einsum(subscripts, x, w, site=site, meta=meta)
+
+
+def tap_sites(module: nn.Module, x: jax.Array, sites: Sequence[str], ys: Sequence[jax.Array]) -> list[jax.Array]:
+    """The outputs `ys` of the matmul sites `sites` that all read `x`, tapped for a split backward (SITE_INPUTS)
+    when the caller applies the module with SITE_INPUTS mutable; as they are otherwise. Only plain (bf16) sites
+    are tapped: an fp8 site's weight gradient is its recipe's, and it stays in the pullback."""
+    policy: Precision = module.policy
+    if not module.is_mutable_collection(SITE_INPUTS) or module.is_initializing():
+        return list(ys)
+    names = [site.rsplit(".", 1)[-1] for site in sites]
+    tapped = [policy.recipe(site) == "bf16" for site in sites]
+    if any(tapped):
+        reads = "+".join(name for name, t in zip(names, tapped) if t)
+        module.sow(SITE_INPUTS, reads, policy.cast(x), init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    return [module.perturb(name, y, collection=SITE_GRADS) if t else y for name, y, t in zip(names, ys, tapped)]
 
 
 def gathered_site_matmuls(module: nn.Module, x_btd: jax.Array,
@@ -183,6 +203,7 @@ class SwiGLU(nn.Module):
         else:
             gate_btf = site_matmul(self, "mlp.w_gate", "btd,df->btf", x_btd, w_gate_df)
             up_btf = site_matmul(self, "mlp.w_up", "btd,df->btf", x_btd, w_up_df)
+        gate_btf, up_btf = tap_sites(self, x_btd, ("mlp.w_gate", "mlp.w_up"), (gate_btf, up_btf))
         hidden_btf = r.constrain(jax.nn.silu(gate_btf) * up_btf, HIDDEN)
         hidden_btf = checkpoint_name(hidden_btf, "mlp_hidden")
         if ring:
@@ -190,4 +211,5 @@ class SwiGLU(nn.Module):
                                             ("mlp", "embed"))
         else:
             out_btd = site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd)
+        (out_btd,) = tap_sites(self, hidden_btf, ("mlp.w_down",), (out_btd,))
         return checkpoint_name(out_btd, "mlp_out")

@@ -30,9 +30,9 @@ from meshtrain.config import ModelConfig, MoEConfig
 from meshtrain.model.attention import attention
 from meshtrain.model.embedding import embedding_lookup
 from meshtrain.model.kv_cache import cached_attention
-from meshtrain.model.layers import (FP8_META, AllHeadsRMSNorm, Llama3RopeScaling, RMSNorm, SwiGLU, apply_rope,
-                                     gathered_site_matmuls, param, rope_tables, scaled_normal, scattered_site_matmul,
-                                     site_matmul)
+from meshtrain.model.layers import (FP8_META, SITE_GRADS, SITE_INPUTS, AllHeadsRMSNorm, Llama3RopeScaling, RMSNorm,
+                                     SwiGLU, apply_rope, gathered_site_matmuls, param, rope_tables, scaled_normal,
+                                     scattered_site_matmul, site_matmul, tap_sites)
 from meshtrain.model.moe import LOSSES, METRICS, MoE
 from meshtrain.model.remat import remat_policy
 from meshtrain.precision import Precision
@@ -86,6 +86,7 @@ class Attention(nn.Module):
             q_bthe = site_matmul(self, "attn.wq", "btd,dhe->bthe", x_btd, wq_dhe)
             k_btke = site_matmul(self, "attn.wk", "btd,dke->btke", x_btd, wk_dke)
             v_btke = site_matmul(self, "attn.wv", "btd,dke->btke", x_btd, wv_dke)
+        q_bthe, k_btke, v_btke = tap_sites(self, x_btd, ("attn.wq", "attn.wk", "attn.wv"), (q_bthe, k_btke, v_btke))
         q_bthe = r.constrain(q_bthe, Q)
         k_btke, v_btke = r.constrain(k_btke, KV), r.constrain(v_btke, KV)
         if c.qk_norm == "all_heads":
@@ -106,6 +107,7 @@ class Attention(nn.Module):
                                             ("heads", "head_dim", "embed"))
         else:
             out_btd = site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed)
+        (out_btd,) = tap_sites(self, o_bthe, ("attn.wo",), (out_btd,))
         return checkpoint_name(out_btd, "attn_proj")
 
 
@@ -170,9 +172,10 @@ def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, exe: 
         block = nn.remat(Block, policy=policy_fn, prevent_cse=not cfg.scan_layers)
     if not cfg.scan_layers:
         return UnrolledStack(block, cfg, policy, rules, exe, n_layers, document_mask, decode, moe)
-    # fp8 amax histories, the decode cache, sown auxiliary losses and router metrics stack on `layers` like
-    # the params: one per layer (or per group of moe.every layers).
-    scan = partial(nn.scan, variable_axes={"params": 0, "cache": 0, FP8_META: 0, LOSSES: 0, METRICS: 0},
+    # fp8 amax histories, the decode cache, sown auxiliary losses and router metrics, and the split backward's
+    # taps stack on `layers` like the params: one per layer (or per group of moe.every layers).
+    variable_axes = {name: 0 for name in ("params", "cache", FP8_META, LOSSES, METRICS, SITE_INPUTS, SITE_GRADS)}
+    scan = partial(nn.scan, variable_axes=variable_axes,
                    split_rngs={"params": True}, in_axes=(nn.broadcast,), metadata_params={nn.PARTITION_NAME: "layers"})
     if moe is None or moe.every == 1:
         return scan(block, length=n_layers)(cfg, policy, rules, exe, document_mask, decode, moe)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from meshtrain.config import Config, padded_vocab
 from meshtrain.resolve import Execution
-from meshtrain.step.pipeline.schedules import ScheduleError, make_schedule
+from meshtrain.step.pipeline.schedules import SPLIT_KINDS, ScheduleError, make_schedule
 from meshtrain.step.pipeline.ticks import tick_tables
 
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
@@ -194,6 +194,19 @@ def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat:
     return out
 
 
+def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
+    """Bytes one layer's tapped matmul sites keep per microbatch in a split backward (step/pipeline/weight_grads.py):
+    the sites' inputs from F to W (the attention's normed input, its output, the FFN's normed input, its hidden)
+    and their outputs' gradients from B to W (q, k, v, the attention's projection, gate, up, the FFN's output).
+    Counted for a dense layer with bf16 sites: fp8 sites and the routed experts are not tapped."""
+    m, g = cfg.model, lay.degrees
+    c = DTYPE_BYTES[cfg.precision.compute]
+    tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
+    n = lay.micro_batch / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
+    d, q, kv, f = n * m.d_model, n * m.n_heads / tp * m.kv_dim, n * m.n_kv_heads / tpk * m.kv_dim, n * m.d_ff / tp
+    return c * ((2 * d + q + f) + (q + 2 * kv + d + 2 * f + d))
+
+
 def run_estimate(cfg: Config, exe: Execution) -> Memory:
     """The one estimate of a config as it will run: its own layout and schedule, the attention its
     Execution picked. The memory guard and the planner's "as given" row both read this."""
@@ -206,11 +219,13 @@ def attention_kind(exe: Execution) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> int:
+def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
+    """(peak in flight, stash slots: chunk-microbatches held from F to their last reader)."""
     try:
-        return max(tick_tables(make_schedule(kind, pp, microbatches, virtual_stages)).peak_in_flight)
+        ticks = tick_tables(make_schedule(kind, pp, microbatches, virtual_stages))
+        return max(ticks.peak_in_flight), ticks.n_stash_slots
     except ScheduleError:
-        return microbatches  # the schedule cannot run this; all forward, then all backward
+        return microbatches, microbatches  # the schedule cannot run this; all forward, then all backward
 
 
 def in_flight(lay: Layout) -> int:
@@ -218,7 +233,16 @@ def in_flight(lay: Layout) -> int:
     schedule (step/pipeline/ticks.py)."""
     if lay.degrees["pp"] == 1:
         return 1
-    return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)
+    return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)[0]
+
+
+def split_backward_bytes(cfg: Config, lay: Layout) -> float:
+    """What a split schedule's stash holds for W on a stage at once: the tapped sites of one chunk's layers, per
+    stash slot. Only middle chunks are tapped (step/pipeline/ops.py): with two chunks in all, nothing is."""
+    if lay.schedule not in SPLIT_KINDS or lay.degrees["pp"] * lay.virtual_stages <= 2:
+        return 0.0
+    slots = _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)[1]
+    return tapped_site_bytes(cfg, lay) * cfg.model.n_layers / (lay.degrees["pp"] * lay.virtual_stages) * slots
 
 
 def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Memory:
@@ -252,9 +276,11 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Mem
     # The layer being differentiated holds about one full set more: its cotangents (remat none) or its
     # recomputed activations (any other policy).
     working = full_set
-    activations = kept * layers_here * held + working + head + batch_in
+    split = split_backward_bytes(cfg, lay)
+    activations = kept * layers_here * held + working + head + batch_in + split
     return Memory(params, grads, optimizer, activations,
-                  detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=held))
+                  detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=held,
+                              split_backward=split))
 
 
 def optimizer_state_bytes(cfg: Config, tensors: list[Tensor], lay: Layout) -> float:

@@ -29,8 +29,9 @@ Ops, as a step without the pipeline runs them (ops.py): F runs a chunk and keeps
 residuals train.remat saves) in the stage's stash; B spends it, so a stage holds its peak-in-flight
 microbatches' chunk activations, as the memory estimate counts them:
     F  x → chunk (stage 0, chunk 0: embed first) → y, sent on; the pullback kept in stash[slot]
-    B  dy, stash[slot] → dx sent back; dW accumulated (unless split)
-    W  dy, stash[slot] → dW accumulated (split schedules)
+    B  dy, stash[slot] → dx sent back; dW accumulated (split: all but the matmul sites', whose output
+       gradients go into stash[slot])
+    W  stash[slot] (the sites' inputs from F, output gradients from B) → the sites' dW accumulated
     the last chunk: F does nothing, B runs chunk, head, loss and backward at once and sends dx back
 
 The stash is a list of slots, each a list of buffers, and every branch names its slot statically (a
@@ -49,9 +50,11 @@ branch passes through).
 
 What this costs against the formula (F = 1, B = 2; or B = W = 1 split): the program's ticks cost
 the schedule's makespan in those units (ticks.py: `makespan`). The last chunk's F and B run as one
-op of 3 units at its B, which 1F1B places in the same tick anyway. Split B and W each pull back
-through the whole chunk (W's weight gradients need the input gradients flowing back through the
-layers after them), so a split microbatch costs about F + 1 + 2 units, where it would cost F + 2.
+op of 3 units at its B, which 1F1B places in the same tick anyway. A split B of a middle chunk pulls
+back once, for the input gradient and the sites' output gradients, and its W is one matmul per site
+(ops.py, weight_grads.py): 1 unit each by the formula's clock, about 3:1 in time (on an H100, llama1b's
+half: B 12 ms, W 4 ms, the unsplit B 16 ms). The first chunk's split backward is all W (its B does
+nothing: nobody waits for its input gradient), which the lockstep ticks of zb_h1 at pp=2 favour.
 Every tick sends one [b, T, D] message each way, whether or not a stage has one. Interleaved and
 dualpipe_v add the exchange of the blocks that change stage, each way, per step; the embedding/head psum
 adds one all-reduce of those parameters over pp per step (ticks.py `executor_op_units` prices the ops).
@@ -71,8 +74,8 @@ from meshtrain import fp8
 from meshtrain.data import Batch
 from meshtrain.model.layers import FP8_META
 from meshtrain.step.loss import Accumulated, GradFn
-from meshtrain.step.pipeline.ops import cast_sites, chunk_ops
-from meshtrain.step.pipeline.ticks import B, F, LAST, TRANSFER_SCOPE, W, TickTables, tick_tables
+from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
+from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
 from meshtrain.step.pipeline.layout import exchange, join_blocks, split_blocks, stage_order
 from meshtrain.step.pipeline.schedules import make_schedule
 from meshtrain.step.state import Setup
@@ -116,7 +119,10 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     # must not also pass the stash on as the switch's result, or the compiler copies the whole stash per tick:
     # a switch whose branches only read the stash passes nothing of it out.
     static = ticks.n_stash_slots <= MAX_STATIC_SLOTS
-    lane_switches = [[table for table in (_branch_table(ticks, lane, kinds, static) for kinds in ((F,), (B, W)))
+    # A split B writes the sites' output gradients into its slot and W reads them: in one switch, W's branches
+    # would pass on what they read, so each gets its own.
+    switch_kinds = ((F,), (B,), (W,)) if schedule.split_backward else ((F,), (B,))
+    lane_switches = [[table for table in (_branch_table(ticks, lane, kinds, static) for kinds in switch_kinds)
                       if table[1]] for lane in range(ticks.n_lanes)]
 
     def stage_program(layers, meta_layers, shared, batch: Batch, scale):
@@ -134,14 +140,15 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
-                                                 (weights_c[0], pool[0], index(batch, 0), meta_c[0]))
+                                                 (weights_c[0], pool[0], index(batch, 0), meta_c[0]),
+                                                 middle=bool((ticks.position == MID).any()))
         # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
         # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
         # slot picked by a traced index would copy every leaf into the slot at F and out of it at B. Past
         # MAX_STATIC_SLOTS: one [n_slots, ...] buffer per kept leaf, and the slot a traced index.
         n_stash = max(ticks.n_stash_slots, 1)
-        stash = ([[jnp.zeros(a.shape, a.dtype) for a in stash_of.kept] for _ in range(n_stash)] if static else
-                 [jnp.zeros((n_stash, *a.shape), a.dtype) for a in stash_of.kept])
+        stash = ([[jnp.zeros(a.shape, a.dtype) for a in stash_of.buffers] for _ in range(n_stash)] if static else
+                 [jnp.zeros((n_stash, *a.shape), a.dtype) for a in stash_of.buffers])
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. A chunk's rows replace the pp-sharded layer axis.
@@ -162,9 +169,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                                      index(pool, me["dy_slot"]), index(batch, me["microbatch"]), scale, kept,
                                      meta_c[c])
                 if out.kept is not None and static:
-                    stash = [*stash[:slot], list(out.kept), *stash[slot + 1:]]
-                elif out.kept is not None:
-                    stash = [lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
+                    stash = [*stash[:slot], Stash.written(stash[slot], out.kept), *stash[slot + 1:]]
+                elif out.kept is not None:  # None: that buffer keeps its value
+                    stash = [buf if a is None else lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
                              for buf, a in zip(stash, out.kept)]
                 if out.d_layers is not None:  # accumulate into this chunk's gradients
                     g = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), g_layers[c], out.d_layers)

@@ -7,7 +7,7 @@ norm, head and loss; a middle one reads the previous chunk's output.
 
     F  x ─ chunk ─> y, and the chunk's pullback kept        (first: tokens ─ embed ─ chunk)
     B  dy, the kept pullback ─> dx (+ dW when the backward is not split)
-    W  dy, the kept pullback ─> dW                           (split backward only)
+    W  the sites' inputs (F) and outputs' gradients (B) ─> dW  (split backward only: weight_grads.py)
     the last chunk: F does nothing; B runs chunk, head, loss and the whole backward from its x
 
 MoE layers sow auxiliary losses and router metrics (model/moe.py). A chunk's output is then the pair
@@ -28,6 +28,10 @@ them anyway, and casting a stage's weights at every op took about 1.2 ms per op 
 H100). The gradients come back in that dtype and are accumulated in fp32. The pullback's residuals include
 those weights (a matmul's input gradient needs them); they are not kept per microbatch: the pullback holds
 the very arrays the stage reads again at B, and the stash stores only the rest.
+
+A split backward (zb_h1, dualpipe_v) also keeps, per microbatch, each plain matmul site's input (from F) and
+its output's gradient (from B), so that W is one matmul per site (weight_grads.py). That is one more copy of
+the site inputs than the pullback holds, between F and W, and the sites' output gradients between B and W.
 """
 from __future__ import annotations
 
@@ -36,16 +40,18 @@ from typing import Any, Callable
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from meshtrain.config import MATMUL_SITES
 from meshtrain.data import Batch
 from meshtrain.model.loss import label_count
 from meshtrain.model.moe import LOSSES, METRICS
-from meshtrain.model.layers import FP8_META
+from meshtrain.model.layers import FP8_META, SITE_GRADS, SITE_INPUTS
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
 from meshtrain.precision import Precision
 from meshtrain.step.loss import aux_loss, cross_entropy, objective, sown_sums
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
+from meshtrain.step.pipeline.weight_grads import site_weight_grads, without_site_grads
 
 
 @flax.struct.dataclass
@@ -59,7 +65,7 @@ class OpOut:
     count: jax.Array | None = None  # labelled tokens, the cross-entropy sum, n·metric sums (the last chunk's B)
     ce: jax.Array | None = None
     metrics: dict | None = None  # also from F: n·(the chunk's sum of each sown metric)
-    kept: list | None = None  # F of a chunk before the last: its pullback's leaves for the stash
+    kept: list | None = None  # what the op leaves in its stash slot (Stash), None where a buffer keeps its value
     meta: Any = None  # fp8_delayed: the chunk's amax histories with this microbatch's amaxes pushed (one op per
     # microbatch reports them: the one that runs the pullback for the input gradient, or for the first chunk's W)
 
@@ -82,67 +88,103 @@ def cast_sites(policy: Precision, layers: Any) -> Any:
 
 @dataclass(frozen=True)
 class Stash:
-    """What F keeps of a chunk's pullback: its leaves less those that are the chunk's (cast) weights.
+    """What a microbatch of a chunk leaves in its stash slot between its ops, as a list of buffers: F's pullback
+    (its leaves less those that are the chunk's cast weights), then, for a split backward, the tapped sites'
+    inputs (F) and their outputs' gradients (B), which W reads.
 
     `treedef` and `weight_of` come from one abstract trace of the chunk (`Stash.of`); every chunk
     before the last has k layers and so the same pullback structure."""
 
     treedef: Any
     weight_of: tuple[int, ...]  # per pullback leaf: the index of the weight leaf it is, or -1 (kept)
-    kept: tuple[jax.ShapeDtypeStruct, ...]  # the leaves kept per microbatch
+    kept: tuple[jax.ShapeDtypeStruct, ...]  # the pullback's leaves kept per microbatch
+    inputs: Any  # the tapped sites' inputs (a tree of shapes; {} without a split backward)
+    grads: Any  # the tapped sites' output gradients (likewise)
 
     @classmethod
-    def of(cls, vjp_chunk: Callable, layers: Any, x_btd: Any, mb: Any, meta: Any) -> "Stash":
+    def of(cls, vjp_chunk: Callable, layers: Any, x_btd: Any, mb: Any, meta: Any, taps: Any, inputs: Any
+           ) -> "Stash":
         box = {}
 
-        def trace(layers, x_btd, mb, meta):
-            leaves, box["treedef"] = jax.tree.flatten(vjp_chunk(layers, x_btd, mb, meta)[1])
+        def trace(layers, x_btd, mb, meta, taps):
+            leaves, box["treedef"] = jax.tree.flatten(vjp_chunk(layers, x_btd, mb, meta, taps)[1])
             weights = jax.tree.leaves(layers)
             box["weight_of"] = tuple(next((i for i, w in enumerate(weights) if w is leaf), -1) for leaf in leaves)
             return [leaf for leaf, w in zip(leaves, box["weight_of"]) if w < 0]
 
-        kept = jax.eval_shape(trace, layers, x_btd, mb, meta)
-        return cls(box["treedef"], box["weight_of"], tuple(kept))
+        kept = jax.eval_shape(trace, layers, x_btd, mb, meta, taps)
+        return cls(box["treedef"], box["weight_of"], tuple(kept), inputs, taps)
 
-    def keep(self, pullback: Any) -> list:
+    @property
+    def buffers(self) -> list[jax.ShapeDtypeStruct]:
+        return [*self.kept, *jax.tree.leaves(self.inputs), *jax.tree.leaves(self.grads)]
+
+    def _spans(self) -> tuple[slice, slice, slice]:
+        n, m = len(self.kept), len(jax.tree.leaves(self.inputs))
+        return slice(0, n), slice(n, n + m), slice(n + m, None)
+
+    def after_forward(self, pullback: Any, inputs: Any) -> list:
+        """F's buffers: the pullback's kept leaves and the site inputs (None: untouched, as the gradients')."""
         leaves = jax.tree.leaves(pullback)
         kept = [leaf for leaf, w in zip(leaves, self.weight_of) if w < 0]
         got = [(k.shape, k.dtype) for k in kept]
         if got != [(k.shape, k.dtype) for k in self.kept]:
             raise AssertionError(f"a chunk's pullback differs from the stash's trace: {got} vs {self.kept}")
-        return kept
+        n_inputs, n_grads = len(jax.tree.leaves(self.inputs)), len(jax.tree.leaves(self.grads))
+        return [*kept, *(jax.tree.leaves(inputs) if inputs is not None else [None] * n_inputs), *[None] * n_grads]
 
-    def pullback(self, kept: list, layers: Any) -> Callable:
-        weights, kept = jax.tree.leaves(layers), iter(kept)
+    def after_backward(self, grads: Any) -> list:
+        """A split B's buffers: the sites' output gradients (the rest untouched)."""
+        return [*[None] * (len(self.kept) + len(jax.tree.leaves(self.inputs))), *jax.tree.leaves(grads)]
+
+    @staticmethod
+    def written(buffers: list, kept: list) -> list:
+        """A slot's buffers after an op left `kept` in it (None: that buffer keeps its value)."""
+        return [old if new is None else new for old, new in zip(buffers, kept)]
+
+    def pullback(self, buffers: list, layers: Any) -> Callable:
+        weights, kept = jax.tree.leaves(layers), iter(buffers[self._spans()[0]])
         return jax.tree.unflatten(self.treedef, [next(kept) if w < 0 else weights[w] for w in self.weight_of])
 
+    def site_inputs(self, buffers: list) -> Any:
+        return jax.tree.unflatten(jax.tree.structure(self.inputs), buffers[self._spans()[1]])
 
-def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...]
+    def site_grads(self, buffers: list) -> Any:
+        return jax.tree.unflatten(jax.tree.structure(self.grads), buffers[self._spans()[2]])
+
+
+def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...], middle: bool = True
               ) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
     {metric: how many of a chunk's layers sow it}. The ops' layer params are `cast_sites` of the chunk's.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch[, the chunk's fp8 histories]),
-    values or shapes.
+    values or shapes. `middle`: whether middle chunks run at all (with only a first and a last chunk, a split
+    backward taps nothing: the first's W pulls back whole, the last's B runs it all).
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
     rules = decoder.rules
     stack = decoder.stack(n_layers)
+    tapped = split_backward and middle  # a split backward's middle chunks record their sites' inputs
+    taps_sown = (SITE_INPUTS,) if tapped else ()
 
-    def run(lp, x_btd, mb: Batch, meta):
-        """-> (y, the chunk's sown collections). `meta`: the chunk's fp8_delayed histories, or {}."""
-        variables = {"params": lp, **({FP8_META: meta} if meta else {})}
+    def run(lp, x_btd, mb: Batch, meta, taps, sown=(LOSSES, METRICS)):
+        """-> (y, the chunk's sown collections). `meta`: the chunk's fp8_delayed histories, or {}; `taps`: the
+        zero perturbations of its sites' outputs (SITE_GRADS), or {}."""
+        variables = {"params": lp, **({FP8_META: meta} if meta else {}), **({SITE_GRADS: taps} if taps else {})}
         (y_btd, _), sown = stack.apply(variables, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules),
-                                       mutable=(LOSSES, METRICS))
+                                       mutable=sown)
         return y_btd, sown
 
-    def chunk(lp, x_btd, mb: Batch, meta):
-        """((y, the chunk's auxiliary loss), its sown metrics): the differentiated pair, and what is logged."""
-        y_btd, sown = run(lp, x_btd, mb, meta)
+    def chunk(lp, x_btd, mb: Batch, meta, taps):
+        """((y, the chunk's auxiliary loss), its sown collections): the differentiated pair, and the rest."""
+        y_btd, sown = run(lp, x_btd, mb, meta, taps, (LOSSES, METRICS, *taps_sown))
         return (y_btd, aux_loss(sown)), sown
 
-    def vjp_chunk(lp, x_btd, mb: Batch, meta):
+    def vjp_chunk(lp, x_btd, mb: Batch, meta, taps):
         # The histories are differentiated too: their cotangent is the next histories (fp8.per_tensor_matmul).
-        return jax.vjp(lambda lp, x_btd, meta: chunk(lp, x_btd, mb, meta), lp, x_btd, meta, has_aux=True)
+        # The taps' cotangents are the sites' output gradients.
+        return jax.vjp(lambda lp, x_btd, meta, taps: chunk(lp, x_btd, mb, meta, taps), lp, x_btd, meta, taps,
+                       has_aux=True)
 
     def logged(sown, n):
         return {name: n * total for name, (total, _) in sown_sums(sown.get(METRICS, {})).items()}
@@ -151,27 +193,37 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         return decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed)
 
     def loss_sum(lp, sh, x_btd, meta, mb: Batch, scale):
-        y_btd, sown = run(lp, x_btd, mb, meta)
+        y_btd, sown = run(lp, x_btd, mb, meta, {})
         h_btd, head_dv = decoder.apply({"params": sh}, y_btd, method=Decoder.head)
         ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
         loss = objective(ce, n, sown)[0]
         return loss * scale, (loss, ce, n, logged(sown, n))
 
     example_lp, example_x, example_mb, example_meta = (*example, {})[:4]
-    stash = Stash.of(vjp_chunk, example_lp, example_x, example_mb, example_meta)
-    sown_shapes = jax.eval_shape(lambda lp, x, mb, meta: run(lp, x, mb, meta)[1], example_lp, example_x, example_mb,
-                                 example_meta)
+    # One abstract run: which metrics the layers sow and, for a split backward, the taps (created as zeros when
+    # their collection is mutable) and the site inputs.
+    sown_shapes = jax.eval_shape(lambda lp, x, mb, meta: run(lp, x, mb, meta, {}, (LOSSES, METRICS, *taps_sown,
+                                                                                  *(SITE_GRADS,) * tapped))[1],
+                                 example_lp, example_x, example_mb, example_meta)
+    taps_shapes = sown_shapes.get(SITE_GRADS, {})
+    stash = Stash.of(vjp_chunk, example_lp, example_x, example_mb, example_meta, taps_shapes,
+                     sown_shapes.get(SITE_INPUTS, {}))
     layers_sowing = {name: count for name, (_, count) in sown_sums(sown_shapes.get(METRICS, {})).items()}
+
+    def zero_taps():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), taps_shapes)
 
     def forward(pos: int) -> OpFn:
         def op(lp, sh, x, dy, mb, scale, kept, meta=None):
             if pos == LAST:
                 return OpOut()  # its B runs it (module docstring)
             x_btd = embed(sh, mb) if pos == FIRST else x
-            (y_btd, aux), pullback, sown = vjp_chunk(lp, x_btd, mb, meta or {})
+            (y_btd, aux), pullback, sown = vjp_chunk(lp, x_btd, mb, meta or {}, zero_taps())
             n = label_count(mb.targets)
-            return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.keep(pullback), loss=n * aux,
-                         metrics=logged(sown, n))
+            # The first chunk's W pulls back whole (`weights`): its site inputs are not needed.
+            inputs = sown.get(SITE_INPUTS, {}) if pos == MID else None
+            return OpOut(message=rules.constrain(y_btd, RESIDUAL), kept=stash.after_forward(pullback, inputs),
+                         loss=n * aux, metrics=logged(sown, n))
         return op
 
     def last_backward(lp, sh, x, dy, mb, scale, kept, meta=None):
@@ -180,27 +232,45 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         return OpOut(d_layers=d_lp, d_shared=d_sh, message=rules.constrain(dx, RESIDUAL), loss=loss, count=n, ce=ce,
                      metrics=metrics, meta=d_meta if meta else None)
 
-    def backward(kind: int, pos: int) -> OpFn:
+    def pullback(lp, dy, mb, scale, kept):
+        """(d layers, dx, d histories, d taps): the chunk's pullback from the stash."""
+        d_aux = scale * label_count(mb.targets)  # the chunk's aux loss enters the objective as n·aux
+        return stash.pullback(kept, lp)((dy, d_aux))
+
+    def first_backward(lp, sh, x, dy, mb, scale, kept, meta=None):
+        """The first chunk's whole backward: its input gradient is the embedding's."""
+        d_lp, dx_btd, d_meta, _ = pullback(lp, dy, mb, scale, kept)
+        return OpOut(d_layers=d_lp, d_shared=jax.vjp(lambda sh: embed(sh, mb), sh)[1](dx_btd)[0],
+                     meta=d_meta if meta else None)
+
+    def backward(pos: int) -> OpFn:
+        """B: the input gradient, sent on to the chunk before, and the weight gradients. A split B leaves the
+        tapped sites' weight gradients to W, and the first chunk's whole backward, which nobody waits for."""
         if pos == LAST:  # split or not, B runs the whole last chunk and its W has nothing left to do
-            return last_backward if kind == B else lambda *args: OpOut()
-        want_w = kind == W or not split_backward  # the weights' gradient
-        want_x = kind == B and pos != FIRST  # the input's, sent on to the chunk before
+            return last_backward
+        if pos == FIRST:
+            return (lambda *args: OpOut()) if split_backward else first_backward
 
         def op(lp, sh, x, dy, mb, scale, kept, meta=None):
-            if not (want_w or want_x):  # split B of the first chunk: nobody waits for its input gradient
-                return OpOut()
-            # Unused outputs of the pullback (dW at a split B, dx at a W) are dead code to the compiler.
-            d_aux = scale * label_count(mb.targets)  # the chunk's aux loss enters the objective as n·aux
-            d_lp, dx_btd, d_meta = stash.pullback(kept, lp)((dy, d_aux))
-            d_sh = None
-            if want_w and pos == FIRST:
-                d_sh = jax.vjp(lambda sh: embed(sh, mb), sh)[1](dx_btd)[0]
-            return OpOut(d_layers=d_lp if want_w else None, d_shared=d_sh,
-                         message=rules.constrain(dx_btd, RESIDUAL) if want_x else None,
-                         meta=d_meta if meta and (want_x or pos == FIRST) else None)
+            d_lp, dx_btd, d_meta, d_taps = pullback(lp, dy, mb, scale, kept)
+            return OpOut(d_layers=without_site_grads(d_lp, d_taps) if split_backward else d_lp,
+                         message=rules.constrain(dx_btd, RESIDUAL),
+                         kept=stash.after_backward(d_taps) if split_backward else None,
+                         meta=d_meta if meta else None)
         return op
 
-    kinds = (B, W) if split_backward else (B,)
+    def weights(pos: int) -> OpFn:
+        """W of a split backward: the tapped sites' weight gradients, one matmul each (weight_grads.py); the
+        first chunk's whole backward (its B does nothing); nothing for the last chunk (its B did it all)."""
+        if pos != MID:
+            return first_backward if pos == FIRST else (lambda *args: OpOut())
+
+        def op(lp, sh, x, dy, mb, scale, kept, meta=None):
+            return OpOut(d_layers=site_weight_grads(lp, stash.site_inputs(kept), stash.site_grads(kept)))
+        return op
+
     ops = {(F, pos): forward(pos) for pos in (FIRST, MID, LAST)}
-    ops |= {(kind, pos): backward(kind, pos) for kind in kinds for pos in (FIRST, MID, LAST)}
+    ops |= {(B, pos): backward(pos) for pos in (FIRST, MID, LAST)}
+    if split_backward:
+        ops |= {(W, pos): weights(pos) for pos in (FIRST, MID, LAST)}
     return ops, stash, layers_sowing

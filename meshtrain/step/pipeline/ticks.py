@@ -134,17 +134,17 @@ class TickTables:
 
 def executor_op_units(kind: int, position: int, split_backward: bool) -> int:
     """What an op of the executor (ops.py) costs, in units of a chunk's forward: the last chunk's F is folded
-    into its B (forward and backward of the chunk: 3; the head and loss come on top); a split B pulls back
-    through the chunk for the input gradient (1; the first chunk's does nothing, nobody waits for it) and W
-    pulls back through it again for the weight gradients (2: the input gradients flow back through the layers
-    after each weight). Where these differ from the schedule's units (F=1, B=2, or 1 each when split), the
-    program takes longer than its `makespan` says."""
+    into its B (forward and backward of the chunk: 3; the head and loss come on top). A split B of a middle
+    chunk pulls back through it for the input gradient and the sites' output gradients (1) and its W multiplies
+    each site's kept input by its output gradient (1; weight_grads.py); the first chunk's split backward is all
+    W (2), since nobody waits for its input gradient. Where these differ from the schedule's units (F=1, B=2,
+    or 1 each when split), the program takes longer than its `makespan` says."""
     if kind == F:
         return 0 if position == LAST else 1
     if kind == B:
         return 3 if position == LAST else 2 if not split_backward else 0 if position == FIRST else 1
     if kind == W:
-        return 0 if position == LAST else 2
+        return 2 if position == FIRST else 1 if position == MID else 0
     return 0
 
 

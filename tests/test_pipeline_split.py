@@ -1,0 +1,75 @@
+"""The split backward of the zero-bubble schedules: B leaves the tapped sites' weight gradients to W, and W
+computes them from what F and B kept, one matmul per site, without pulling back through the chunk again.
+
+On one device, a middle chunk of the tiny fp32 model: the split B's and W's gradients add up to the unsplit B's
+(1e-5 of each tensor's largest entry: one matmul's reduction order against the pullback's), W's share is the
+site weights and nothing else, the compiled W holds one dot per site, and the memory estimate counts what the
+stash keeps for W.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from helpers import flatten, make_setup, single_device, tiny_config
+from meshtrain.config import MATMUL_SITES
+from meshtrain.planning.memory import Layout, tapped_site_bytes
+from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
+from meshtrain.step.pipeline.ticks import B, F, MID, W
+from meshtrain.step.state import init_state, make_batches
+
+LAYER_SITES = sorted(site for site in MATMUL_SITES if site.split(".")[0] in ("attn", "mlp"))
+
+
+def test_split_backward_adds_up_to_the_pullback_and_w_is_one_matmul_per_site():
+    setup = make_setup(single_device(tiny_config("model.n_layers=4")), 1)
+    layers = cast_sites(setup.model.policy, jax.tree.map(lambda a: a[:2], init_state(setup).params["layers"]))
+    mb = jax.tree.map(lambda a: a[0], make_batches(setup).batch(0))
+    b, t = mb.tokens.shape
+    key_x, key_dy = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(key_x, (b, t, setup.cfg.model.d_model))
+    dy = jax.random.normal(key_dy, x.shape)
+    scale = jnp.float32(1.0)
+
+    def ops(split):
+        return chunk_ops(setup.model, 2, split, (layers, x, mb))[0]
+
+    whole, split = ops(False), ops(True)
+    kept = whole[F, MID](layers, {}, x, None, mb, scale, [], None).kept
+    want = whole[B, MID](layers, {}, None, dy, mb, scale, kept, None)
+
+    filled = split[F, MID](layers, {}, x, None, mb, scale, [], None).kept
+    b_out = split[B, MID](layers, {}, None, dy, mb, scale, filled, None)
+    filled = Stash.written(filled, b_out.kept)
+    w_out = split[W, MID](layers, {}, None, None, mb, scale, filled, None)
+
+    np.testing.assert_allclose(b_out.message, want.message, rtol=1e-6, atol=1e-6)
+    total = jax.tree.map(jnp.add, b_out.d_layers, w_out.d_layers)
+    for name, g in flatten(want.d_layers).items():
+        got = flatten(total)[name]
+        np.testing.assert_allclose(got, g, atol=1e-5 * float(np.abs(g).max()), err_msg=name)
+    # W makes exactly the site weights' gradients, B everything else (the norms' scales).
+    for name, g in flatten(w_out.d_layers).items():
+        is_site = any(name.endswith(site.replace(".", "/")) for site in LAYER_SITES)
+        assert bool(np.any(g != 0)) == is_site, name
+        assert bool(np.any(flatten(b_out.d_layers)[name] != 0)) != is_site, name
+
+    # One dot per site, all inside the one scan over the chunk's layers: nothing is pulled back again.
+    w_hlo = jax.jit(lambda kept: split[W, MID](layers, {}, None, None, mb, scale, kept, None)).lower(
+        filled).compile().as_text()
+    assert len(re.findall(r"= \S+ dot\(", w_hlo)) == len(LAYER_SITES), LAYER_SITES
+
+
+def test_the_memory_estimate_counts_what_the_stash_keeps_for_w():
+    setup = make_setup(single_device(tiny_config("model.n_layers=4")), 1)
+    layers = jax.tree.map(lambda a: a[:2], init_state(setup).params["layers"])
+    mb = jax.tree.map(lambda a: a[0], make_batches(setup).batch(0))
+    x = jax.ShapeDtypeStruct((*mb.tokens.shape, setup.cfg.model.d_model), jnp.float32)
+    stash = chunk_ops(setup.model, 2, True, (layers, x, mb))[1]
+    kept = jax.tree.leaves((stash.inputs, stash.grads))
+    assert len(kept) == 4 + len(LAYER_SITES)  # the four distinct site inputs, one output gradient per site
+    per_layer = sum(a.size * a.dtype.itemsize for a in kept) / 2
+    assert tapped_site_bytes(setup.cfg, Layout.of(setup.cfg)) == per_layer
