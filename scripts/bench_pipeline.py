@@ -114,7 +114,7 @@ def time_single_device(setup, a):
     import jax.numpy as jnp
 
     from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
-    from meshtrain.step.pipeline.ticks import B, F, LAST, W
+    from meshtrain.step.pipeline.ticks import B, F, LAST, MID, W
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches
 
@@ -140,8 +140,8 @@ def time_single_device(setup, a):
             kept = []  # what a B or W spends: the stash its chunk's F fills (and a split B, for W)
             if kind != F and pos != LAST:
                 kept = jax.jit(ops[F, pos])(lp, shared, x, dy, mb, scale, []).kept
-            if kind == W and pos != LAST:
-                kept = Stash.written(kept, jax.jit(ops[B, pos])(lp, shared, x, dy, mb, scale, kept).kept or kept)
+            if kind == W and pos == MID:  # the middle chunk's split B leaves the sites' output gradients for W
+                kept = Stash.written(kept, jax.jit(ops[B, pos])(lp, shared, x, dy, mb, scale, kept).kept)
             cache[(k, split, key)] = median_ms(jax.jit(ops[key]), lp, shared, x, dy, mb, scale, kept,
                                                steps=a.steps)
         return cache[(k, split, key)]
