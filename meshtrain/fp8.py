@@ -102,15 +102,16 @@ def _dot_nt(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
 
 
 def push_history(history: jax.Array, value: jax.Array) -> jax.Array:
-    """Newest first: [a_t, a_{t-1}, ...] -> [value, a_t, ...] (the oldest falls off)."""
-    return jnp.concatenate([value[None].astype(history.dtype), history[:-1]])
+    """Newest first along the last axis: [..., a_t, a_{t-1}, ...] -> [..., value, a_t, ...] (the oldest falls off);
+    `value` has history's shape less its last axis."""
+    return jnp.concatenate([value[..., None].astype(history.dtype), history[..., :-1]], axis=-1)
 
 
 def push_newest_of(history: jax.Array, pushed: jax.Array) -> jax.Array:
     """history [..., H] with the newest entry of `pushed` (a history one push past some earlier state, as a
     backward returns it) pushed onto it: the pipeline's way to apply a microbatch's push to histories that
     moved on since its forward read them (step/pipeline/executor.py)."""
-    return jnp.concatenate([pushed[..., :1], history[..., :-1]], axis=-1)
+    return push_history(history, pushed[..., 0])
 
 
 def _tensor_scales(x, w, meta):

@@ -41,14 +41,14 @@ def _has_triton_packages() -> bool:
 # xdist would use by default (most tests first) the few heaviest files start last and one worker
 # finishes them alone. Seconds each file took on 2 CPU cores, largest first; the rest follow in name order.
 COSTLIEST_FILES_FIRST = (
-    "test_pipeline.py",  # 353 s
+    "test_pipeline.py",  # ~650 s (2026-11-27)
+    "test_moe_equivalence.py",  # ~500
+    "test_readme_commands.py",  # 433: 22 commands, one after the other
     "test_precision_model.py",  # 321
     "test_context_parallel.py",  # 299
     "test_equivalence.py",  # 292
     "test_resume.py",  # 285
     "test_train_step.py",  # 240
-    "test_moe_equivalence.py",  # 217
-    "test_readme_commands.py",  # 212
     "test_slurm.py",  # 145-205 on a shared machine, + ~30 s of apt-get on a fresh one
     "test_data_sources.py",  # ~130 (its 1,000-step resumed run: 108)
     "test_planning.py",  # 118
