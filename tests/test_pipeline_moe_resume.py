@@ -9,7 +9,6 @@ them split over pp and ep, and its zero-bubble schedule (zb_h1) splits each stag
 """
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 

@@ -62,7 +62,6 @@ adds one all-reduce of those parameters over pp per step (ticks.py `executor_op_
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
