@@ -21,7 +21,7 @@ import fnmatch
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,21 @@ class Precision:
             return kernel(xc, wc, group_sizes_g, preferred_element_type=self.compute_dtype)
         return jax.lax.ragged_dot(xc, wc, group_sizes_g, precision=jax.lax.Precision.HIGHEST if self.is_fp32 else None,
                                   preferred_element_type=self.compute_dtype)
+
+
+def cast_sites(policy: Precision, params: Any) -> Any:
+    """Params with the weights of bf16 matmul sites (`attn/wq` is site `attn.wq`) in the compute dtype, as
+    the site would cast them; the rest (norm scales, the embedding, fp8 sites' fp32 masters) as they are.
+
+    Cast once where a step starts (the scan's loss, a pipeline stage), the copies serve the forward and the
+    backward alike: cast inside a rematerialized block, a weight is cast again when the backward reruns
+    the block, and under ZeRO-3 the all-gather then moves the compute dtype. A weight whose path does not
+    name its site (the shared experts' `shared/w_gate`) is cast where it is used, as before."""
+    def one(path, a):  # the module and the weight's name; a box's `.value` is not a name
+        site = ".".join([str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-2:])
+        return policy.cast(a) if site in MATMUL_SITES and policy.recipe(site) == "bf16" else a
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

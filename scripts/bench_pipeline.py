@@ -113,7 +113,8 @@ def time_single_device(setup, a):
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
+    from meshtrain.precision import cast_sites
+    from meshtrain.step.pipeline.ops import Stash, chunk_ops
     from meshtrain.step.pipeline.ticks import B, F, LAST, MID, W
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches

@@ -17,7 +17,8 @@ import numpy as np
 from helpers import flatten, make_setup, single_device, tiny_config
 from meshtrain.config import MATMUL_SITES
 from meshtrain.planning.memory import Layout, tapped_site_bytes
-from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
+from meshtrain.precision import cast_sites
+from meshtrain.step.pipeline.ops import Stash, chunk_ops
 from meshtrain.step.pipeline.ticks import B, F, MID, W
 from meshtrain.step.state import init_state, make_batches
 

@@ -230,3 +230,23 @@ def test_fp8_cannot_reach_the_expert_gemms():
         validate(tiny_config("model.preset=tiny_moe", "precision.matmul=fp8", "precision.fp8_exclude=lm_head"), 8)
     assert any("moe.w_gate, moe.w_up, moe.w_down run fp8" in p for p in e.value.problems), e.value.problems
     validate(tiny_config("precision.matmul=fp8", "precision.fp8_exclude=lm_head"), 8)  # a dense model has no experts
+
+
+def test_site_weights_are_cast_once_outside_the_recomputed_blocks():
+    """Under train.remat=full the backward reruns each block; the blocks' bf16 weights come from one cast of
+    the stacked params per step (precision.cast_sites), not from a cast inside the block that the rerun repeats."""
+    setup = make_setup(single_device(tiny_config("precision.compute=bfloat16", "train.remat=full",
+                                                 "model.vocab_size=200")), 1)  # no weight shares a layer weight's shape
+    state = init_state(setup)
+    mb = make_batches(setup).batch(0).microbatch(0)
+    loss = loss_sum_fn(setup.model)
+    grad = jax.grad(lambda p: loss(p, mb, state.model_state)[0])
+    casts = [e for e in all_eqns(jax.make_jaxpr(grad)(state.params).jaxpr)
+             if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == jnp.bfloat16
+             and e.invars[0].aval.dtype == jnp.float32]
+    layers = jax.tree_util.tree_leaves_with_path(state.params["layers"])
+    sites = {a.shape for path, a in layers if "norm" not in jax.tree_util.keystr(path)}  # wq ... w_down
+    assert len(sites) >= 4
+    stacked = [e for e in casts if e.invars[0].aval.shape in sites]
+    per_layer = [e for e in casts if (setup.cfg.model.n_layers, *e.invars[0].aval.shape) in sites]
+    assert stacked and not per_layer, (len(stacked), [e.invars[0].aval.shape for e in per_layer])

@@ -18,6 +18,7 @@ from meshtrain.data import Batch
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.transformer import Decoder
+from meshtrain.precision import cast_sites
 
 # (params, one microbatch [B, T] each field, model_state) -> (objective sum, token count, sums to log)
 LossSum = Callable[[Any, Batch, Any], tuple[jax.Array, jax.Array, dict]]
@@ -76,7 +77,8 @@ def loss_sum_fn(model: Decoder) -> LossSum:
     token count, token-weighted sums to log: `loss` the cross-entropy, and the model's sown metrics)."""
 
     def loss_sum(params, mb: Batch, model_state=None):
-        variables = {"params": params, **(model_state or {})}
+        # The sites' compute-dtype weights made once, outside the rematerialized blocks (precision.cast_sites).
+        variables = {"params": cast_sites(model.policy, params), **(model_state or {})}
         (h_btd, head_dv), sown = model.apply(variables, mb.tokens, mb.positions, mb.segment_ids,
                                              mutable=(LOSSES, METRICS))
         ce, n = cross_entropy(model, h_btd, head_dv, mb.targets)

@@ -72,8 +72,9 @@ from jax.sharding import PartitionSpec as P
 from meshtrain import fp8
 from meshtrain.data import Batch
 from meshtrain.model.layers import FP8_META
+from meshtrain.precision import cast_sites
 from meshtrain.step.loss import Accumulated, GradFn
-from meshtrain.step.pipeline.ops import Stash, cast_sites, chunk_ops
+from meshtrain.step.pipeline.ops import Stash, chunk_ops
 from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
 from meshtrain.step.pipeline.layout import exchange, join_blocks, split_blocks, stage_order
 from meshtrain.step.pipeline.schedules import make_schedule

@@ -42,7 +42,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from meshtrain.config import MATMUL_SITES
 from meshtrain.data import Batch
 from meshtrain.model.loss import label_count
 from meshtrain.model.moe import LOSSES, METRICS
@@ -74,16 +73,6 @@ class OpOut:
 # histories or {}) -> OpOut
 OpFn = Callable[[Any, Any, jax.Array, jax.Array, Batch, jax.Array, list, Any], OpOut]
 
-
-
-def cast_sites(policy: Precision, layers: Any) -> Any:
-    """A chunk's layer params with the weights of bf16 matmul sites (`attn/wq` is site `attn.wq`) in the
-    compute dtype, as the site would cast them; the rest (norm scales, fp8 sites' fp32 masters) as they are."""
-    def one(path, a):
-        site = ".".join(str(k.key) for k in path[-2:] if isinstance(k, jax.tree_util.DictKey))
-        return policy.cast(a) if site in MATMUL_SITES and policy.recipe(site) == "bf16" else a
-
-    return jax.tree_util.tree_map_with_path(one, layers)
 
 
 @dataclass(frozen=True)
