@@ -13,13 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import all_eqns
 from meshtrain.config import MESH_AXES, MoEConfig, build_config
 from meshtrain.mesh import build_mesh
 from meshtrain.model.moe import METRICS, MoE
+from meshtrain.model.remat import remat_policy
 from meshtrain.precision import Precision
 from meshtrain.sharding import make_rules
 
 POLICY = Precision.from_names("float32")
+MOE_FIELDS = ("cfg", "moe", "policy", "rules", "out_std", "exchange", "gemm")
 D, X, F = 8, 4, 6
 
 
@@ -200,3 +203,25 @@ def test_allgather_exchange_matches_padded_on_gpus():
     for name in params:
         assert_close(g_a[0][name], g_p[0][name], name)
     assert_close(g_a[1], g_p[1], "input")
+
+
+@pytest.mark.parametrize("dispatch", ["allgather", "padded"])
+def test_the_expert_points_keep_the_grouped_gemms_out_of_the_recomputation(dispatch):
+    """train.remat=names:moe_in,moe_hidden,moe_out: the backward of a rematerialized MoE layer reruns none
+    of its three grouped GEMMs (under `full` it reruns all three), and its gradients are `full`'s."""
+    layer = make_layer(ep=2, dispatch=dispatch)
+    x_btd = jax.random.normal(jax.random.key(0), (2, 8, D), jnp.float32)
+    params = init(layer, x_btd)
+    policies = {"full": "full", "points": "names:moe_in,moe_hidden,moe_out"}
+    counts, grads = {}, {}
+    for name, remat in policies.items():
+        block = nn.remat(type(layer), policy=remat_policy(remat))(**{f: getattr(layer, f) for f in MOE_FIELDS})
+        loss = lambda p: jnp.sum(block.apply({"params": p}, x_btd, mutable=[METRICS])[0] ** 2)  # noqa: E731
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+        counts[name] = sum(e.primitive.name.startswith("ragged_dot") for e in all_eqns(jaxpr))
+        grads[name] = jax.jit(jax.grad(loss))(params)
+    # forward 3; backward 4 (dW of each, dX of the down GEMM; x is not differentiated here); `full` adds the
+    # forward's 3 again
+    assert (counts["full"], counts["points"]) == (10, 7), counts
+    for k in params:
+        assert_close(grads["points"][k], grads["full"][k], err_msg=k)

@@ -14,9 +14,11 @@ from meshtrain.config.pipeline import Kind
 
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 
-# Names of the remat save points the model marks with checkpoint_name (model/transformer.py).
-CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out")
-# train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS (model/remat.py).
+# Names of the remat save points the model marks with checkpoint_name (model/transformer.py, model/layers.py;
+# the routed experts' in parallel/expert.py: the tokens as the exchange delivers them, the gate and up
+# GEMMs' outputs, the down GEMM's output).
+CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out", "moe_in", "moe_hidden", "moe_out")
+# train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS, or several joined by '+' (model/remat.py).
 REMAT_FIXED = ("none", "full", "save_dots", "save_dots_attn", "save_attn")
 # Every named matmul site: the precision policy maps each to a recipe (meshtrain/precision.py), and
 # precision.fp8_exclude patterns must match some of them. The embedding is a gather and the MoE router
@@ -152,7 +154,7 @@ class TrainConfig:
     global_batch: int = 16  # sequences per optimizer step, over all devices and microbatches
     grad_accum: int = 1  # microbatches per step, scanned inside the jitted step
     zero_stage: int = 1  # what fsdp shards: 1 optimizer state, 2 + gradients, 3 + parameters
-    remat: str = "none"  # none | full | save_dots | save_dots_attn | save_attn | names:<point>,<point>...
+    remat: str = "none"  # none | full | save_dots | save_dots_attn | save_attn | names:<point>,... | p+q
     seed: int = 0  # initialization and data order; RNG derives from (seed, step)
     # optax's adamw; adafactor (factored second moment, no first); lion (sign updates: usually a 3-10x
     # smaller lr); muon (orthogonalized momentum on the blocks' matrices, AdamW on the rest). step/optim.py.

@@ -12,8 +12,13 @@ a policy says which of them the backward pass keeps instead of recomputing.
              has no such kernel and recomputes as under save_dots
   save_attn  keep the q/k/v projections and the attention output (attention is the costly part)
   names:a,b  keep exactly the named points
+  p+q        keep what either policy keeps, e.g. save_dots_attn+names:moe_in,moe_hidden,moe_out (the projections,
+             the attention kernel's outputs and the routed experts' GEMM outputs: an MoE block whose backward
+             reruns only its elementwise work and the exchange's small index collectives)
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -39,6 +44,11 @@ def fused_attention_forward(prim, *_, **params) -> bool:
 def remat_policy(name: str):
     """The jax.checkpoint policy for `name`, or None when the block is not rematerialized at all."""
     cp = jax.checkpoint_policies
+    if "+" in name:
+        parts = name.split("+")
+        if "none" in parts:
+            raise ValueError(f"train.remat={name!r}: 'none' keeps everything already; join only recomputing policies")
+        return functools.reduce(cp.save_from_both_policies, [remat_policy(p) for p in parts])
     if name == "none":
         return None
     if name == "full":

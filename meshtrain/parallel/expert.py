@@ -57,6 +57,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
@@ -135,9 +136,9 @@ def _swiglu(rows_rd, group_sizes_x, *, w_gate_xdf, w_up_xdf, w_down_xfd, policy:
     """Rows grouped by local expert (group_sizes_x rows each, zero rows after them) -> expert outputs.
     Each GEMM is a named site of the precision policy (config.MATMUL_SITES)."""
     dot = partial(policy.ragged_dot, group_sizes_g=group_sizes_x, kernel=pk.gmm if gemm == "pallas" else None)
-    gate_rf = dot(rows_rd, w_gate_xdf, site="moe.w_gate")
-    up_rf = dot(rows_rd, w_up_xdf, site="moe.w_up")
-    return dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, site="moe.w_down")
+    gate_rf = checkpoint_name(dot(rows_rd, w_gate_xdf, site="moe.w_gate"), "moe_hidden")
+    up_rf = checkpoint_name(dot(rows_rd, w_up_xdf, site="moe.w_up"), "moe_hidden")
+    return checkpoint_name(dot(jax.nn.silu(gate_rf) * up_rf, w_down_xfd, site="moe.w_down"), "moe_out")
 
 
 def _tp_specs(rules: ShardingRules) -> tuple:
@@ -183,6 +184,7 @@ def _dropless(x_nd, e_nk, ffn, *, ep, n_experts, exchange):
     send_r = counts_rl.sum(axis=1)
 
     if exchange == "local":
+        x_nd = checkpoint_name(x_nd, "moe_in")
         out_ad = ffn(gather_rows(x_nd, order_a, inverse_a, k), counts_rl[0])
         return gather_rows(out_ad, inverse_a, order_a, 1).reshape(n, k, -1)
 
@@ -195,7 +197,7 @@ def _dropless(x_nd, e_nk, ffn, *, ep, n_experts, exchange):
     filled_by = jnp.full((ep * a,), a, jnp.int32).at[slot_a].set(jnp.arange(a, dtype=jnp.int32),
                                                                  unique_indices=True)  # a: an empty slot
     send_rd = gather_rows(x_nd, filled_by, slot_a, k)
-    buf_rd = _to_ranks(send_rd.reshape(ep, a, -1), ep).reshape(ep * a, -1)
+    buf_rd = checkpoint_name(_to_ranks(send_rd.reshape(ep, a, -1), ep).reshape(ep * a, -1), "moe_in")
     out_rd = _local_experts(buf_rd, recv_sl, jnp.arange(ep, dtype=jnp.int32) * a, ffn)
     back_rd = _to_ranks(out_rd.reshape(ep, a, -1), ep).reshape(ep * a, -1)
     return gather_rows(back_rd, slot_a, filled_by, 1).reshape(n, k, -1)
@@ -230,7 +232,7 @@ def _allgather(x_nd, e_nk, w_nk, ffn, *, ep, n_experts):
     end of the groups, where the grouped GEMM writes zeros."""
     n, k = e_nk.shape
     per_rank = n_experts // ep
-    x_md = jax.lax.all_gather(x_nd, "ep", tiled=True)  # m = ep·n: the group's tokens, rank by rank
+    x_md = checkpoint_name(jax.lax.all_gather(x_nd, "ep", tiled=True), "moe_in")  # m = ep·n, rank by rank
     e_mk = jax.lax.all_gather(e_nk, "ep", tiled=True)
     w_mk = jax.lax.all_gather(w_nk, "ep", tiled=True)
     local_b = e_mk.reshape(-1) - jax.lax.axis_index("ep") * per_rank  # b = m·k assignments
@@ -268,7 +270,7 @@ def _capacity(x_nd, e_nk, ffn, *, ep, n_experts, capacity_factor):
                                                                             mode="drop")  # n·k: an empty slot
     send_xcd = gather_rows(x_nd, filled_by, slot_a, k).reshape(n_experts, c, -1)
     recv_sxcd = _to_ranks(send_xcd.reshape(ep, per_rank, c, -1), ep)  # [source, local expert, slot, D]
-    rows_rd = jnp.swapaxes(recv_sxcd, 0, 1).reshape(per_rank * ep * c, -1)  # grouped by local expert
+    rows_rd = checkpoint_name(jnp.swapaxes(recv_sxcd, 0, 1).reshape(per_rank * ep * c, -1), "moe_in")  # by expert
     out_rd = ffn(rows_rd, jnp.full((per_rank,), ep * c, jnp.int32))
     out_sxcd = jnp.swapaxes(out_rd.reshape(per_rank, ep, c, -1), 0, 1)
     back_xcd = _to_ranks(out_sxcd, ep).reshape(n_experts * c, -1)

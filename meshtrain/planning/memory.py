@@ -148,12 +148,21 @@ RESIDUALS = {
     "save_attn": dict(D_c=1, Q_c=2, KV_c=2),
 }
 # attn_proj and mlp_out feed only the residual add, whose backward needs neither: saving them keeps nothing.
+# The routed experts' points (moe_*) keep row buffers of the exchange, which these shape classes do not
+# model yet: counted as nothing.
 NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj": {},
-                "mlp_hidden": dict(F_c=1), "mlp_out": {}}
-
+                "mlp_hidden": dict(F_c=1), "mlp_out": {}, "moe_in": {}, "moe_hidden": {}, "moe_out": {}}
 
 
 def residual_counts(remat: str) -> dict:
+    """Tensors kept per shape class. A union of policies (p+q) is counted as the sum of its parts, with the
+    block input once: a bound where both parts keep the same value."""
+    if "+" in remat:
+        counts = {"D_c": 1}
+        for part in remat.split("+"):
+            for k, v in residual_counts(part).items():
+                counts[k] = counts.get(k, 0) + v - (k == "D_c")
+        return counts
     if remat in RESIDUALS:
         return RESIDUALS[remat]
     counts = {"D_c": 1}  # the block input, as for every policy that recomputes
