@@ -113,8 +113,7 @@ def time_single_device(setup, a):
     import jax
     import jax.numpy as jnp
 
-    from meshtrain.precision import cast_sites
-    from meshtrain.step.pipeline.ops import Stash, chunk_ops
+    from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
     from meshtrain.step.pipeline.ticks import B, F, LAST, MID, W
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches
@@ -135,7 +134,7 @@ def time_single_device(setup, a):
     def op_ms(k: int, split: bool, key: tuple[int, int]) -> float:
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
-            lp = cast_sites(setup.model.policy, jax.tree.map(lambda arr: arr[:k], params["layers"]))
+            lp = chunk_weights(setup.model, jax.tree.map(lambda arr: arr[:k], params["layers"]), k)
             ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
             kind, pos = key
             kept = []  # what a B or W spends: the stash its chunk's F fills (and a split B, for W)

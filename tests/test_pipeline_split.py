@@ -17,8 +17,7 @@ import numpy as np
 from helpers import flatten, make_setup, single_device, tiny_config
 from meshtrain.config import MATMUL_SITES
 from meshtrain.planning.memory import Layout, tapped_site_bytes
-from meshtrain.precision import cast_sites
-from meshtrain.step.pipeline.ops import Stash, chunk_ops
+from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, F, MID, W
 from meshtrain.step.state import init_state, make_batches
 
@@ -27,7 +26,7 @@ LAYER_SITES = sorted(site for site in MATMUL_SITES if site.split(".")[0] in ("at
 
 def test_split_backward_adds_up_to_the_pullback_and_w_is_one_matmul_per_site():
     setup = make_setup(single_device(tiny_config("model.n_layers=4")), 1)
-    layers = cast_sites(setup.model.policy, jax.tree.map(lambda a: a[:2], init_state(setup).params["layers"]))
+    layers = chunk_weights(setup.model, jax.tree.map(lambda a: a[:2], init_state(setup).params["layers"]), 2)
     mb = jax.tree.map(lambda a: a[0], make_batches(setup).batch(0))
     b, t = mb.tokens.shape
     key_x, key_dy = jax.random.split(jax.random.key(0))
@@ -35,8 +34,8 @@ def test_split_backward_adds_up_to_the_pullback_and_w_is_one_matmul_per_site():
     dy = jax.random.normal(key_dy, x.shape)
     scale = jnp.float32(1.0)
 
-    def ops(split):
-        return chunk_ops(setup.model, 2, split, (layers, x, mb))[0]
+    def ops(split):  # jitted, as the executor runs them (the stash leaves out the weights the trace passes in)
+        return {key: jax.jit(op) for key, op in chunk_ops(setup.model, 2, split, (layers, x, mb))[0].items()}
 
     whole, split = ops(False), ops(True)
     kept = whole[F, MID](layers, {}, x, None, mb, scale, [], None).kept
@@ -58,19 +57,19 @@ def test_split_backward_adds_up_to_the_pullback_and_w_is_one_matmul_per_site():
         assert bool(np.any(g != 0)) == is_site, name
         assert bool(np.any(flatten(b_out.d_layers)[name] != 0)) != is_site, name
 
-    # One dot per site, all inside the one scan over the chunk's layers: nothing is pulled back again.
+    # One dot per site and layer (the chunk's two layers run one by one): nothing is pulled back again.
     w_hlo = jax.jit(lambda kept: split[W, MID](layers, {}, None, None, mb, scale, kept, None)).lower(
         filled).compile().as_text()
-    assert len(re.findall(r"= \S+ dot\(", w_hlo)) == len(LAYER_SITES), LAYER_SITES
+    assert len(re.findall(r"= \S+ dot\(", w_hlo)) == 2 * len(LAYER_SITES), LAYER_SITES
 
 
 def test_the_memory_estimate_counts_what_the_stash_keeps_for_w():
     setup = make_setup(single_device(tiny_config("model.n_layers=4")), 1)
-    layers = jax.tree.map(lambda a: a[:2], init_state(setup).params["layers"])
+    layers = chunk_weights(setup.model, jax.tree.map(lambda a: a[:2], init_state(setup).params["layers"]), 2)
     mb = jax.tree.map(lambda a: a[0], make_batches(setup).batch(0))
     x = jax.ShapeDtypeStruct((*mb.tokens.shape, setup.cfg.model.d_model), jnp.float32)
     stash = chunk_ops(setup.model, 2, True, (layers, x, mb))[1]
     kept = jax.tree.leaves((stash.inputs, stash.grads))
-    assert len(kept) == 4 + len(LAYER_SITES)  # the four distinct site inputs, one output gradient per site
+    assert len(kept) == 2 * (4 + len(LAYER_SITES))  # per layer: the four distinct site inputs, a gradient per site
     per_layer = sum(a.size * a.dtype.itemsize for a in kept) / 2
     assert tapped_site_bytes(setup.cfg, Layout.of(setup.cfg)) == per_layer

@@ -24,6 +24,7 @@ from functools import partial
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain.config import ModelConfig, MoEConfig
@@ -161,16 +162,17 @@ class UnrolledStack(nn.Module):
 
 def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, exe: Execution, *, n_layers: int,
                 remat: str = "none", document_mask: bool = False, decode: bool = False,
-                moe: MoEConfig | None = None) -> nn.Module:
+                moe: MoEConfig | None = None, scan: bool | None = None) -> nn.Module:
     """A module running `n_layers` blocks: (x [B, T, D], SeqInfo) -> (x, None); params stacked on L when
-    scanned. A pipeline stage builds one with its share of the layers and applies it to its slice."""
+    scanned (`scan`, by default cfg.scan_layers). A pipeline stage builds one with its share of the layers."""
+    scan = cfg.scan_layers if scan is None else scan
     moe = moe if moe is not None and moe.enabled else None
     block = Block
     policy_fn = remat_policy(remat)
     if policy_fn is not None:
         # prevent_cse only matters outside scan; inside it would block useful fusions.
-        block = nn.remat(Block, policy=policy_fn, prevent_cse=not cfg.scan_layers)
-    if not cfg.scan_layers:
+        block = nn.remat(Block, policy=policy_fn, prevent_cse=not scan)
+    if not scan:
         return UnrolledStack(block, cfg, policy, rules, exe, n_layers, document_mask, decode, moe)
     # fp8 amax histories, the decode cache, sown auxiliary losses and router metrics, and the split backward's
     # taps stack on `layers` like the params: one per layer (or per group of moe.every layers).
@@ -183,15 +185,27 @@ def block_stack(cfg: ModelConfig, policy: Precision, rules: ShardingRules, exe: 
                                                              document_mask, decode, moe)
 
 
-def unrolled_layers(stacked: dict, n_layers: int, every: int = 1) -> dict:
+def unrolled_layers(stacked: dict, n_layers: int, every: int = 1, take=lambda x, i: x[i]) -> dict:
     """A scanned stack's `layers` subtree (leaves [L, ...], or with MoE groups `layer_j` leaves [L/every, ...])
     -> the same values named as the unrolled stack names them: `layer_i` is slice i (or group i // every,
-    member i % every)."""
+    member i % every). `take(leaf, i)` makes slice i (of a tree of shardings, say)."""
     if every == 1:
-        return {f"layer_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n_layers)}
+        return {f"layer_{i}": jax.tree.map(lambda x, i=i: take(x, i), stacked) for i in range(n_layers)}
     # Members a collection lacks stay absent (only the MoE member sows the router losses).
-    return {f"layer_{g * every + int(member.removeprefix('layer_'))}": jax.tree.map(lambda x, g=g: x[g], tree)
+    return {f"layer_{g * every + int(member.removeprefix('layer_'))}": jax.tree.map(lambda x, g=g: take(x, g), tree)
             for member, tree in stacked.items() for g in range(n_layers // every)}
+
+
+def stacked_layers(unrolled: dict, n_layers: int, every: int = 1) -> dict:
+    """The inverse of unrolled_layers: `layer_i` subtrees -> leaves stacked on L (or per group member)."""
+    def stack(names):
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *[unrolled[name] for name in names])
+
+    if every == 1:
+        return stack([f"layer_{i}" for i in range(n_layers)])
+    members = {f"layer_{i % every}" for i in range(n_layers) if f"layer_{i}" in unrolled}
+    return {member: stack([f"layer_{g * every + int(member.removeprefix('layer_'))}" for g in range(n_layers // every)])
+            for member in sorted(members)}
 
 
 def init_variables(model: "Decoder", key: jax.Array, tokens_bt: jax.Array) -> dict:
@@ -237,11 +251,16 @@ class Decoder(nn.Module):
         return self.exe.vocab_padded
 
     @nn.nowrap  # a builder, not a module method: callable on an unbound decoder (the pipeline's stages)
-    def stack(self, n_layers: int) -> nn.Module:
+    def stack(self, n_layers: int, scan: bool | None = None) -> nn.Module:
         """The module running `n_layers` of this decoder's blocks, built as its own stack is (the one
         builder): the whole stack in `setup`, a pipeline stage's chunk of it elsewhere."""
         return block_stack(self.cfg, self.policy, self.rules, self.exe, n_layers=n_layers, remat=self.remat,
-                           document_mask=self.document_mask, decode=self.decode, moe=self.moe)
+                           document_mask=self.document_mask, decode=self.decode, moe=self.moe, scan=scan)
+
+    @property
+    def every(self) -> int:
+        """Layers per scanned group: moe.every with MoE layers, else 1 (unrolled_layers' grouping)."""
+        return self.moe.every if self.moe is not None and self.moe.enabled else 1
 
     def embed(self, tokens_bt: jax.Array) -> jax.Array:
         # A gather from the whole compute-dtype table; the fp32 table goes in, so that its gradient

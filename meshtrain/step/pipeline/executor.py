@@ -72,9 +72,9 @@ from jax.sharding import PartitionSpec as P
 from meshtrain import fp8
 from meshtrain.data import Batch
 from meshtrain.model.layers import FP8_META
-from meshtrain.precision import cast_sites
+from meshtrain.model.transformer import stacked_layers, unrolled_layers
 from meshtrain.step.loss import Accumulated, GradFn
-from meshtrain.step.pipeline.ops import Stash, chunk_ops
+from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
 from meshtrain.step.pipeline.layout import exchange, join_blocks, split_blocks, stage_order
 from meshtrain.step.pipeline.schedules import make_schedule
@@ -136,7 +136,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         with jax.named_scope(TRANSFER_SCOPE):
             layers_c = exchange(split_blocks(layers, v), order, p)
             meta_c = exchange(split_blocks(meta_layers, v), order, p)  # fp8_delayed histories, or {} per chunk
-        weights_c = [cast_sites(model.policy, lp) for lp in layers_c]  # what ops read: bf16 sites cast once a step
+        weights_c = [chunk_weights(model, lp, k) for lp in layers_c]  # what ops read, made once a step
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
@@ -153,8 +153,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
         # fsdp), not whole on every device of the stage. A chunk's rows replace the pp-sharded layer axis.
         mesh_in = rules.mesh
-        g_layer_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, P(None, *sh.spec[1:])),
-                                  setup.grad_shardings["layers"])
+        g_layer_sh = unrolled_layers(setup.grad_shardings["layers"], k, model.every,  # a layer's, as weights_c
+                                     take=lambda sh, i: jax.sharding.NamedSharding(mesh_in, P(*sh.spec[1:])))
         g_shared_sh = jax.tree.map(lambda sh: jax.sharding.NamedSharding(mesh_in, sh.spec),
                                    {name: setup.grad_shardings[name] for name in shared})
 
@@ -223,7 +223,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
 
         # The objective, the labelled tokens, the cross-entropy and each sown metric (token-weighted), summed.
         sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", "count", "ce", *layers_sowing)}
-        zeros_c = [lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, lp), g_layer_sh) for lp in layers_c]
+        zeros_c = [lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, lp), g_layer_sh) for lp in
+                   (unrolled_layers(lp, k, model.every) for lp in layers_c)]
         carry = (pool, stash, zeros_c,
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums, meta_c)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
@@ -232,7 +233,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
         (_, _, g_layers, g_shared, sums, meta_c), _ = lax.scan(tick, carry, (lane_rows, link_rows))
         with jax.named_scope(TRANSFER_SCOPE):
-            g_layers = join_blocks(exchange(g_layers, inverse, p))
+            g_layers = join_blocks(exchange([stacked_layers(g, k, model.every) for g in g_layers], inverse, p))
             meta_layers = join_blocks(exchange(meta_c, inverse, p))
             sums = lax.psum(sums, "pp")
         # A metric's logged value is its mean over the layers that sow it (step/loss.py): p·v chunks of them.

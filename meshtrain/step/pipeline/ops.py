@@ -22,10 +22,12 @@ the pipeline spends its residuals, so B costs a backward, not a forward and a ba
 chunk keeps nothing: its forward and backward run back to back (B follows F on that stage at once in
 every schedule), which spares the stash its logits.
 
-The ops take a chunk's layer params as the stage holds them for the whole step: the weights of bf16
-matmul sites already cast to the compute dtype (`cast_sites`, once per step in the executor; a site casts
-them anyway, and casting a stage's weights at every op took about 1.2 ms per op for a 1B model's half on an
-H100). The gradients come back in that dtype and are accumulated in fp32. The pullback's residuals include
+The ops take a chunk's layer params as the stage holds them for the whole step (`chunk_weights`): the weights
+of bf16 matmul sites already cast to the compute dtype (once per step in the executor; a site casts them
+anyway, and casting a stage's weights at every op took about 1.2 ms per op for a 1B model's half on an H100),
+and taken apart layer by layer, because the ops run their chunk's layers unrolled (a scanned chunk's slices and
+stacks were copies: 1F1B at pp=2 went from 293.9 to 208.9 ms on H100s). The gradients come back in that dtype
+and layout and are accumulated in fp32. The pullback's residuals include
 those weights (a matmul's input gradient needs them); they are not kept per microbatch: the pullback holds
 the very arrays the stage reads again at B, and the stash stores only the rest.
 
@@ -46,7 +48,8 @@ from meshtrain.data import Batch
 from meshtrain.model.loss import label_count
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.layers import FP8_META, SITE_GRADS, SITE_INPUTS
-from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info
+from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info, unrolled_layers
+from meshtrain.precision import cast_sites
 from meshtrain.precision import Precision
 from meshtrain.step.loss import aux_loss, cross_entropy, objective, sown_sums
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
@@ -142,23 +145,34 @@ class Stash:
         return jax.tree.unflatten(jax.tree.structure(self.grads), buffers[self._spans()[2]])
 
 
+def chunk_weights(decoder: Decoder, layers: Any, n_layers: int) -> Any:
+    """What the ops read as a chunk's layer params: its stacked layers [k, ...] with the bf16 sites cast
+    (`cast_sites`, once per step) and taken apart into `layer_i` subtrees, once per step too. The ops run the
+    chunk's layers one by one (an unrolled stack): a scanned chunk slices every layer's weights and stacks every
+    layer's residuals and gradients inside its loop, and on GPUs those slices and stacks were copies (the
+    one-GPU 1B step at 8 microbatches of one sequence: 496 ms scanned, 358 ms unrolled, docs/PERFORMANCE.md).
+    The gradients come back in the same `layer_i` form; the executor stacks them once at the end of the step."""
+    return unrolled_layers(cast_sites(decoder.policy, layers), n_layers, decoder.every)
+
+
 def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...], middle: bool = True
               ) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
-    {metric: how many of a chunk's layers sow it}. The ops' layer params are `cast_sites` of the chunk's.
+    {metric: how many of a chunk's layers sow it}. The ops' layer params are `chunk_weights`.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch[, the chunk's fp8 histories]),
     values or shapes. `middle`: whether middle chunks run at all (with only a first and a last chunk, a split
     backward taps nothing: the first's W pulls back whole, the last's B runs it all).
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
     rules = decoder.rules
-    stack = decoder.stack(n_layers)
+    stack = decoder.stack(n_layers, scan=False)  # chunk_weights: the ops take their layers one by one
     tapped = split_backward and middle  # a split backward's middle chunks record their sites' inputs
     taps_sown = (SITE_INPUTS,) if tapped else ()
 
     def run(lp, x_btd, mb: Batch, meta, taps, sown=(LOSSES, METRICS)):
         """-> (y, the chunk's sown collections). `meta`: the chunk's fp8_delayed histories, or {}; `taps`: the
         zero perturbations of its sites' outputs (SITE_GRADS), or {}."""
+        meta = unrolled_layers(meta, n_layers, decoder.every) if meta else {}  # as the stack names its layers
         variables = {"params": lp, **({FP8_META: meta} if meta else {}), **({SITE_GRADS: taps} if taps else {})}
         (y_btd, _), sown = stack.apply(variables, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules),
                                        mutable=sown)
