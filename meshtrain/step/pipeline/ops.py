@@ -50,7 +50,6 @@ from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.layers import FP8_META, SITE_GRADS, SITE_INPUTS
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info, unrolled_layers
 from meshtrain.precision import cast_sites
-from meshtrain.precision import Precision
 from meshtrain.step.loss import aux_loss, cross_entropy, objective, sown_sums
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
 from meshtrain.step.pipeline.weight_grads import site_weight_grads, without_site_grads
