@@ -50,6 +50,7 @@ COSTLIEST_FILES_FIRST = (
     "test_resume.py",  # 285
     "test_train_step.py",  # 240
     "test_slurm.py",  # 145-205 on a shared machine, + ~30 s of apt-get on a fresh one
+    "test_memory_grid.py",  # 140-170: 16 layouts compiled ahead of time
     "test_data_sources.py",  # ~130 (its 1,000-step resumed run: 108)
     "test_planning.py",  # 118
     "test_kernels_in_model.py",  # 116

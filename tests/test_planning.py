@@ -196,11 +196,16 @@ def test_param_count_matches_the_model():
     assert param_count(cfg) == count_params(jax.eval_shape(lambda: init_state(setup)).params)
 
 
-@pytest.mark.parametrize("remat,compute", [(r, "float32") for r in ("none", "full", "save_dots", "save_attn",
-                                                                     "names:attn_out,mlp_out")] +
-                         [("none", "bfloat16"), ("save_dots", "bfloat16")])
-def test_layer_residuals_match_what_autodiff_keeps(remat, compute):
-    """The per-layer table (RESIDUALS) against jax's own list of what the block's backward keeps."""
+POLICIES = ("none", "full", "save_dots", "save_attn", "names:attn_out,mlp_out")
+MOE_DROPLESS, MOE_CAPACITY = "moe.n_experts=4 moe.top_k=2", "moe.n_experts=4 moe.top_k=2 moe.capacity_factor=1.25"
+
+
+@pytest.mark.parametrize("remat,compute,experts", [(r, "float32", "") for r in POLICIES] +
+                         [("none", "bfloat16", ""), ("save_dots", "bfloat16", "")] +
+                         [(r, "float32", e) for r in ("none", "save_dots") for e in (MOE_DROPLESS, MOE_CAPACITY)])
+def test_layer_residuals_match_what_autodiff_keeps(remat, compute, experts):
+    """The per-layer table (RESIDUALS, and EXPERT_RESIDUALS for an MoE FFN) against jax's own list of what the
+    block's backward keeps."""
     from jax._src.ad_checkpoint import saved_residuals
 
     from meshtrain.data import Batch
@@ -208,7 +213,8 @@ def test_layer_residuals_match_what_autodiff_keeps(remat, compute):
     from meshtrain.step.state import build_setup
 
     # 3 sequences, 2 layers: a stacked residual [L, b, ...] cannot be mistaken for an unstacked one.
-    cfg = build_config({}, SHAPE + ["train.global_batch=3", f"train.remat={remat}", f"precision.compute={compute}"])
+    cfg = build_config({}, SHAPE + ["train.global_batch=3", f"train.remat={remat}", f"precision.compute={compute}",
+                                    *experts.split()])
     cfg, mesh = validated_mesh(cfg, 1)
     setup = build_setup(cfg, mesh)
     z = jnp.zeros((3, 128), jnp.int32)
@@ -219,7 +225,7 @@ def test_layer_residuals_match_what_autodiff_keeps(remat, compute):
     stacked = sum(a.size * a.dtype.itemsize for a, src in res
                   if "scan" in src and a.shape[:1] == (L,) and a.ndim >= 3 and "argument" not in src)
     per_layer = layer_activation_bytes(cfg, Layout.of(cfg), "reference")
-    assert per_layer == pytest.approx(stacked / L, rel=0.06), (remat, compute)
+    assert per_layer == pytest.approx(stacked / L, rel=0.06), (remat, compute, experts)
 
 
 def test_playbook_zero_arithmetic():

@@ -8,32 +8,41 @@ The Ultra-Scale Playbook's accounting, applied to the tensors meshtrain actually
     ZeRO over fsdp (N_d)    stage 1: optimizer / N_d; 2: + grads / N_d; 3: + params / N_d
     tp                      every matrix's heads, kv heads (when tp divides them), ffn and vocab dim
     pp                      the layer stack (the first/last stage also hold embedding/head)
-    ep                      expert parameters (none in a dense model)
+    ep                      the routed experts' weights (whole experts per rank); the router is replicated
 
     activations per layer, per microbatch, per device: what autodiff keeps for meshtrain's block
-      (RESIDUALS below, checked against jax's own saved_residuals in the tests), by shape class:
+      (RESIDUALS below, and memory_moe.EXPERT_RESIDUALS for an MoE FFN, checked against jax's own
+      saved_residuals in the tests), by shape class:
       [tokens, D], [tokens, F/tp], [tokens, H/tp, E], [tokens, K/tp, E] and, for reference attention,
       the fp32 scores [b, H/tp, s, s] -- the Korthikanti et al. "sbh(34 + 5as/h)" of a GPT layer
       (gpt_layer_activation_bytes), recounted for a Llama block (no dropout, SwiGLU, GQA, fp32 norms);
       none keeps them all, full only the block input, save_dots the projections, save_attn q, k, v
-      and the attention output. Tokens per device are divided by dp and fsdp (sequences) and by cp
+      and the attention output. Tokens per device are divided by dp, fsdp and ep (sequences) and by cp
       and sp (sequence); tp divides heads and ffn, and with sequence parallelism the fp32 norm
       internals and a recomputing policy's block input.
 
-Transient buffers that the compiler must also hold at the peak are counted where they belong:
-the gradient of the scanned stack and (grad_accum > 1) its accumulator under `grads`, the optimizer's
-update under `optimizer`, a ZeRO-3 layer's gathered weights under `params`, the logits and their
-gradient under `activations`.
+Transient buffers that the compiler must also hold are counted where they belong: the gradient of the
+scanned stack and (grad_accum > 1) its accumulator under `grads`, the optimizer's update under `optimizer`, a
+ZeRO-3 layer's gathered weights and a pipeline's copy of the stage's weights under `params`; under
+`activations` the layer being differentiated (its cotangents or recomputed residuals, its weights sliced out of
+the stack, the experts' grouped-matmul buffers), the logits and their gradient, a pipeline stage's stash
+(memory_pipeline).
+
+Exact and approximate. The resident state (params, optimizer state, the batch) is what the step receives: it
+equals memory_analysis()'s argument bytes to a few bytes. The per-layer residuals and a stage's stash are exact
+counts of what jax keeps. XLA's peak is not a sum: it is the size of the heap its buffer assignment packs, and
+buffers live at different times share it imperfectly. The estimate adds every term (grads, the working layer and
+the head are never all live at the forward's end, where a remat-none step peaks); that sum tracks the packed
+heap within 10% on tests/test_memory_grid.py's grid, but neither bounds it: read it as an estimate.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from meshtrain.config import Config, padded_vocab
+from meshtrain.planning.memory_moe import expert_layer_bytes, grouped_matmul_working_bytes
+from meshtrain.planning.memory_pipeline import chunk_layers, in_flight, stage_activation_bytes
 from meshtrain.resolve import Execution
-from meshtrain.step.pipeline.schedules import SPLIT_KINDS, ScheduleError, make_schedule
-from meshtrain.step.pipeline.ticks import tick_tables
 
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by config dtype name
@@ -82,15 +91,29 @@ class Tensor:
     tp: int = 1  # divisor from tensor parallelism
     embed: bool = True  # has an `embed` dim (ZeRO-3 shards it over fsdp)
     layer: bool = True  # in the layer stack (pp shards it)
+    ep: int = 1  # divisor from expert parallelism
+    routed: bool = False  # a routed expert's weights (memory_moe counts what their region keeps)
 
 
-def param_tensors(cfg: Config, tp: int) -> list[Tensor]:
-    m = cfg.model
+def moe_layers(cfg: Config) -> int:
+    """Layers whose FFN is a mixture of experts (every `moe.every`-th; none in a dense model)."""
+    return sum(cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers))
+
+
+def param_tensors(cfg: Config, tp: int, ep: int = 1) -> list[Tensor]:
+    m, moe = cfg.model, cfg.moe
     d, h, k, e, f, L = m.d_model, m.n_heads, m.n_kv_heads, m.kv_dim, m.d_ff, m.n_layers
     v = padded_vocab(m, tp)
     tpk = tp if k % tp == 0 else 1  # fewer kv heads than tp: replicated
+    n_moe = moe_layers(cfg)
     out = [Tensor(L * d * h * e, tp), Tensor(2 * L * d * k * e, tpk), Tensor(L * h * e * d, tp),
-           Tensor(3 * L * d * f, tp), Tensor(2 * L * d), Tensor(v * d, tp, layer=False), Tensor(d, layer=False)]
+           Tensor(3 * (L - n_moe) * d * f, tp), Tensor(2 * L * d), Tensor(v * d, tp, layer=False),
+           Tensor(d, layer=False)]
+    if n_moe:  # the router (replicated over ep), the routed experts (whole experts over ep), the shared ones
+        fx, x = moe.expert_ffn(m), moe.n_experts
+        out += [Tensor(n_moe * d * x), Tensor(3 * n_moe * x * d * fx, tp, ep=ep, routed=True)]
+        if moe.n_shared:
+            out.append(Tensor(3 * n_moe * d * moe.n_shared * fx, tp))
     if not m.tie_embeddings:
         out.append(Tensor(d * v, tp, layer=False))
     return out
@@ -104,7 +127,7 @@ def _sharded_elems(tensors: list[Tensor], lay: Layout, over_fsdp: bool) -> float
     g = lay.degrees
     total = 0.0
     for t in tensors:
-        n = t.elems / t.tp
+        n = t.elems / (t.tp * t.ep)
         if over_fsdp and t.embed:
             n /= g["fsdp"]
         if t.layer:
@@ -139,7 +162,7 @@ class Memory:
 #   S: [b, heads/tp, s, s] attention scores/probabilities (reference attention only)
 # `c` entries are in the compute dtype, `f32` entries always fp32 (norms and softmax run in fp32).
 RESIDUALS = {
-    "none": dict(D_c=2, D_f32=4, F_c=6, Q_c=4, KV_c=0, S_c=1, S_f32=2, weights=True),
+    "none": dict(D_c=2, D_f32=4, F_c=6, Q_c=4, KV_c=0, S_c=1, S_f32=2),
     "full": dict(D_c=1),
     "save_dots": dict(D_c=2, F_c=2, Q_c=1, KV_c=2),
     # save_dots plus the fused attention kernel's output o (its fp32 log-sum-exp, [b, H/tp, s], is
@@ -148,8 +171,7 @@ RESIDUALS = {
     "save_attn": dict(D_c=1, Q_c=2, KV_c=2),
 }
 # attn_proj and mlp_out feed only the residual add, whose backward needs neither: saving them keeps nothing.
-# The routed experts' points (moe_*) keep row buffers of the exchange, which these shape classes do not
-# model yet: counted as nothing.
+# The routed experts' points (moe_*) keep the exchange's row buffers: memory_moe.EXPERT_POINTS counts them.
 NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj": {},
                 "mlp_hidden": dict(F_c=1), "mlp_out": {}, "moe_in": {}, "moe_hidden": {}, "moe_out": {}}
 
@@ -172,22 +194,34 @@ def residual_counts(remat: str) -> dict:
     return counts
 
 
+def tokens_per_device(cfg: Config, lay: Layout) -> float:
+    """Tokens of one microbatch on a device: sequences over dp, fsdp and ep (outside the experts ep is one more
+    data axis), each sequence over cp and sp."""
+    g = lay.degrees
+    return lay.micro_batch / (g["dp"] * g["fsdp"] * g["ep"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
+
+
 def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat: str | None = None) -> float:
-    """Bytes one layer keeps for the backward pass, per microbatch, per device."""
+    """Bytes one layer keeps for the backward pass, per microbatch, per device (the mean over the stack's dense
+    and MoE layers)."""
     m, g = cfg.model, lay.degrees
     c = DTYPE_BYTES[cfg.precision.compute]
-    counts = residual_counts(lay.remat if remat is None else remat)
+    policy = lay.remat if remat is None else remat
+    counts = residual_counts(policy)
     tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
-    b = lay.micro_batch / (g["dp"] * g["fsdp"])
+    n = tokens_per_device(cfg, lay)
+    b = n / (cfg.data.seq_len / (g["cp"] * g["sp"]))
     s = cfg.data.seq_len / (g["cp"] * g["sp"])
-    n = b * s  # tokens per device
     # Ulysses (sp) runs attention over the whole sequence with heads/sp; context parallelism (cp)
     # holds s/cp queries against s/cp keys per ring step.
     s_att, h_att = s * g["sp"], m.n_heads / tp / g["sp"]
     sp_div = tp if lay.sequence_parallel else 1  # fp32 norm internals live on the seq-sharded stream
     d_c = n * m.d_model / (sp_div if counts.get("D_c", 0) == 1 else 1)
     out = d_c * c * counts.get("D_c", 0) + n * m.d_model / sp_div * 4 * counts.get("D_f32", 0)
-    out += n * m.d_ff / tp * c * counts.get("F_c", 0)
+    # The dense FFN's width, over the stack: an MoE layer has only its shared experts' dense SwiGLU.
+    n_moe, L = moe_layers(cfg), m.n_layers
+    f = ((L - n_moe) * m.d_ff + n_moe * cfg.moe.n_shared * cfg.moe.expert_ffn(m)) / L
+    out += n * f / tp * c * counts.get("F_c", 0)
     out += n * m.n_heads / tp * m.kv_dim * c * counts.get("Q_c", 0)
     out += n * m.n_kv_heads / tpk * m.kv_dim * c * counts.get("KV_c", 0)
     if counts.get("S_c") or counts.get("S_f32"):
@@ -197,9 +231,8 @@ def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat:
             out += 2 * b * h_att * s_att * 4 + 4 * n * 4  # softmax max/sum, norm 1/rms
         else:  # flash kernels keep the output (counted in Q) and the log-sum-exp
             out += b * h_att * s_att * 4 + 4 * n * 4
-    if counts.get("weights") and c < 4:  # the compute-dtype copy of the layer's weights
-        layer = [t for t in param_tensors(cfg, tp) if t.layer]
-        out += c * sum(t.elems / t.tp for t in layer) / m.n_layers
+    if n_moe:
+        out += n_moe / L * expert_layer_bytes(cfg, policy, g, n, c)
     return out
 
 
@@ -211,7 +244,7 @@ def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
     m, g = cfg.model, lay.degrees
     c = DTYPE_BYTES[cfg.precision.compute]
     tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
-    n = lay.micro_batch / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
+    n = tokens_per_device(cfg, lay)
     d, q, kv, f = n * m.d_model, n * m.n_heads / tp * m.kv_dim, n * m.n_kv_heads / tpk * m.kv_dim, n * m.d_ff / tp
     return c * ((2 * d + q + f) + (q + 2 * kv + d + 2 * f + d))
 
@@ -219,7 +252,8 @@ def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
 def run_estimate(cfg: Config, exe: Execution) -> Memory:
     """The one estimate of a config as it will run: its own layout and schedule, the attention its
     Execution picked. The memory guard and the planner's "as given" row both read this."""
-    return estimate(cfg, Layout.of(cfg), attention_kind(exe))
+    return estimate(cfg, Layout.of(cfg), attention_kind(exe), exe.moe_gemm or "ragged_dot",
+                    fp8_value_bytes=4 if exe.backend == "cpu" else 1)
 
 
 def attention_kind(exe: Execution) -> str:
@@ -227,44 +261,49 @@ def attention_kind(exe: Execution) -> str:
     return "flash" if exe.fused_attention else "reference"
 
 
-@functools.lru_cache(maxsize=None)
-def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
-    """(peak in flight, stash slots: chunk-microbatches held from F to their last reader)."""
-    try:
-        ticks = tick_tables(make_schedule(kind, pp, microbatches, virtual_stages))
-        return max(ticks.peak_in_flight), ticks.n_stash_slots
-    except ScheduleError:
-        return microbatches, microbatches  # the schedule cannot run this; all forward, then all backward
-
-
-def in_flight(lay: Layout) -> int:
-    """Microbatches whose activations a stage holds at its peak, in the order the pipeline executor runs the
-    schedule (step/pipeline/ticks.py)."""
-    if lay.degrees["pp"] == 1:
-        return 1
-    return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)[0]
+def split_pullback_bytes(cfg: Config, lay: Layout) -> float:
+    """What a layer's pullback keeps per microbatch beyond its remat policy's residuals when its backward is split:
+    the tapped sites' outputs, which B differentiates through without W's matmuls (q, k, v, a [tokens, D] and
+    gate and up), less what the policy keeps already (remat none: everything; save_attn, names:qkv,...: q, k
+    and v). Counted from a chunk's Stash (step/pipeline/ops.py) under none, full, save_dots and save_attn."""
+    if lay.remat == "none":
+        return 0.0
+    m, g = cfg.model, lay.degrees
+    c = DTYPE_BYTES[cfg.precision.compute]
+    tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
+    n = tokens_per_device(cfg, lay)
+    out = n * (m.d_model + 2 * m.d_ff / tp)
+    if lay.remat != "save_attn" and "qkv" not in lay.remat:
+        out += n * (m.n_heads / tp + 2 * m.n_kv_heads / tpk) * m.kv_dim
+    return c * out
 
 
 def split_backward_bytes(cfg: Config, lay: Layout) -> float:
-    """What a split schedule's stash holds for W on a stage at once: the tapped sites of one chunk's layers, per
-    stash slot. Only middle chunks are tapped (step/pipeline/ops.py): with two chunks in all, nothing is."""
-    if lay.schedule not in SPLIT_KINDS or lay.degrees["pp"] * lay.virtual_stages <= 2:
-        return 0.0
-    slots = _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)[1]
-    return tapped_site_bytes(cfg, lay) * cfg.model.n_layers / (lay.degrees["pp"] * lay.virtual_stages) * slots
+    """What a tapped layer keeps per microbatch for a split backward: its sites (tapped_site_bytes) and what its
+    split pullback keeps more (split_pullback_bytes). memory_pipeline counts it per chunk and stash slot."""
+    return tapped_site_bytes(cfg, lay) + split_pullback_bytes(cfg, lay)
 
 
-def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Memory:
-    """Per-device bytes of `cfg`'s model run as `lay` (the config's own layout fields are ignored); a
-    pipeline stage holds the activations of its schedule's peak in-flight microbatches."""
-    g = lay.degrees
-    tensors = param_tensors(cfg, g["tp"])
+def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", grouped_matmul: str = "ragged_dot",
+             fp8_value_bytes: int = 1) -> Memory:
+    """Per-device bytes of `cfg`'s model run as `lay` (the config's own layout fields are ignored). A pipeline
+    stage holds its schedule's stash (memory_pipeline). `grouped_matmul`: how the experts' GEMMs run
+    (Execution.moe_gemm); XLA's ragged_dot holds more (memory_moe.grouped_matmul_working_bytes).
+    `fp8_value_bytes`: a quantized value as the backend holds it (1; XLA:CPU runs fp8 matmuls on fp32 values, 4)."""
+    g, m = lay.degrees, cfg.model
+    tensors = param_tensors(cfg, g["tp"], g["ep"])
     p_res = _sharded_elems(tensors, lay, lay.zero_stage >= 3)
     p_grad = _sharded_elems(tensors, lay, lay.zero_stage >= 2)
+    layer_weights = 4 * sum(t.elems / (t.tp * t.ep) for t in tensors if t.layer) / m.n_layers
 
     params = 4 * p_res
+    # Not counted: the sites' compute-dtype copies the step makes once where the loss starts (precision.cast_sites).
+    # They replaced per-layer copies inside the blocks, and on GPUs the peak did not move with them (OLMoE at ep=2,
+    # 51.9 GiB before and after, docs/PERFORMANCE.md): the peak is not where they live.
     if lay.zero_stage >= 3:  # one layer gathered for its forward/backward (the scan gathers per layer)
-        params += 4 * sum(t.elems / t.tp for t in tensors if t.layer) / cfg.model.n_layers
+        params += layer_weights
+    if g["pp"] > 1:  # the tick loop's copy of the stage's layer weights (memory_pipeline)
+        params += 4 * _sharded_elems([t for t in tensors if t.layer], lay, lay.zero_stage >= 3)
     # Gradients of the whole stack live at once (the scan's stacked output); a second copy when the
     # microbatch loop accumulates them.
     grads = 4 * p_grad * (2 if lay.grad_accum > 1 else 1)
@@ -272,24 +311,34 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference") -> Mem
 
     kept = layer_activation_bytes(cfg, lay, attention_impl)
     full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
-    layers_here = cfg.model.n_layers / g["pp"]
-    held = in_flight(lay)
-    m = cfg.model
     c = DTYPE_BYTES[cfg.precision.compute]
-    n = lay.micro_batch / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
+    n = tokens_per_device(cfg, lay)
     v = padded_vocab(m, g["tp"]) / g["tp"]
     # Around the stack: fp32 logits and exp kept for the loss gradient, the label mask, the final norm
     # and the stack's input.
     head = n * v * (4 + 4 + 1) + n * m.d_model * (2 * 4 + c)
     batch_in = 4 * 4 * lay.grad_accum * n  # the four int32 batch fields, all microbatches
     # The layer being differentiated holds about one full set more: its cotangents (remat none) or its
-    # recomputed activations (any other policy).
+    # recomputed activations (any other policy); under the microbatch scan, also its weights, which the scan's
+    # backward slices out of the stack (under ZeRO-3 that is the gathered layer, counted under params).
     working = full_set
-    split = split_backward_bytes(cfg, lay)
-    activations = kept * layers_here * held + working + head + batch_in + split
+    if g["pp"] == 1 and lay.zero_stage < 3:
+        working += layer_weights
+    if moe_layers(cfg) and grouped_matmul == "ragged_dot":
+        working += grouped_matmul_working_bytes(cfg, g, n, c)
+    if g["pp"] == 1:  # the scan's stacked residuals of every layer, one microbatch at a time
+        stack = kept * m.n_layers
+    else:
+        stack = stage_activation_bytes(m.n_layers, lay, kept, split_backward_bytes(cfg, lay))
+        if cfg.precision.matmul.startswith("fp8"):
+            # A chunk runs its layers unrolled (step/pipeline/ops.py), and its op holds every layer's quantized
+            # weights and their transposes at once (read from the compiled step: k x about twice the layer's
+            # weights at fp32 on the CPU, where the quantized values are fp32).
+            working += 2 * chunk_layers(m.n_layers, lay) * layer_weights / 4 * fp8_value_bytes
+    activations = stack + working + head + batch_in
     return Memory(params, grads, optimizer, activations,
-                  detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=held,
-                              split_backward=split))
+                  detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=in_flight(lay),
+                              stack=stack, working=working, arguments=4 * p_res + optimizer + batch_in))
 
 
 def optimizer_state_bytes(cfg: Config, tensors: list[Tensor], lay: Layout) -> float:

@@ -1,0 +1,65 @@
+"""What a pipeline stage keeps for its schedule (step/pipeline/executor.py), per device.
+
+The executor runs the schedule as a scan over ticks. Its carry holds, per stage:
+
+    stash      n_stash_slots x (what F's pullback keeps of one chunk for B: the remat policy's residuals of
+               the chunk's k layers; for a split schedule's middle chunks also the tapped sites, and what the
+               split pullback keeps more); slots are interval-coloured from F to the last reader (ticks.py)
+    pool       the [b, T, D] messages in flight (small: one activation per slot, not per layer)
+    weights    the stage's layer weights as the ops read them, a copy of the stored shard (split into chunks,
+               exchanged between stages where the schedule holds chunks spread over the model)
+
+XLA's buffer assignment holds every stash leaf twice: once in the carry, once as the result of the switch that
+fills its slot (the peak's live buffers list each stash leaf as a `copy` beside a `cond{i}` of the same size), so
+the stash counts twice. The last chunk's B runs that chunk's forward too (head and loss included), so the stage
+also holds one chunk's residuals while it runs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from meshtrain.step.pipeline.schedules import SPLIT_KINDS, ScheduleError, make_schedule
+from meshtrain.step.pipeline.ticks import tick_tables
+
+Layout = Any  # memory.Layout, which imports this module: its degrees, schedule, grad_accum, virtual_stages
+
+
+@functools.lru_cache(maxsize=None)
+def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
+    """(peak in flight, stash slots: chunk-microbatches held from F to their last reader)."""
+    try:
+        ticks = tick_tables(make_schedule(kind, pp, microbatches, virtual_stages))
+        return max(ticks.peak_in_flight), ticks.n_stash_slots
+    except ScheduleError:
+        return microbatches, microbatches  # the schedule cannot run this; all forward, then all backward
+
+
+def in_flight(lay: Layout) -> int:
+    """Microbatches whose activations a stage holds at its peak, in the order the pipeline executor runs the
+    schedule (step/pipeline/ticks.py)."""
+    if lay.degrees["pp"] == 1:
+        return 1
+    return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)[0]
+
+
+def stash_slots(lay: Layout) -> int:
+    return _peak(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)[1]
+
+
+def chunk_layers(n_layers: int, lay: Layout) -> float:
+    return n_layers / (lay.degrees["pp"] * lay.virtual_stages)
+
+
+def is_tapped(lay: Layout) -> bool:
+    """Whether the stage's middle chunks split their backward: only middle chunks are tapped
+    (step/pipeline/ops.py), and with two chunks in all there is none."""
+    return lay.schedule in SPLIT_KINDS and lay.degrees["pp"] * lay.virtual_stages > 2
+
+
+def stage_activation_bytes(n_layers: int, lay: Layout, kept_per_layer: float, split_per_layer: float) -> float:
+    """The stash, twice (module docstring), and the last chunk's own forward. `split_per_layer`: what a tapped
+    layer keeps more per microbatch (memory.split_backward_bytes)."""
+    k = chunk_layers(n_layers, lay)
+    stash = stash_slots(lay) * k * (kept_per_layer + (split_per_layer if is_tapped(lay) else 0.0))
+    return 2 * stash + k * kept_per_layer
