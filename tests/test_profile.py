@@ -58,6 +58,8 @@ CLASSIFIED = [
     ("gemm_fusion_dot_12", {"hlo_op": "gemm_fusion_dot.12"}, "gemm"),
     ("dot.147", {}, "gemm"),
     ("ynn_fusion.3", {}, "gemm"),
+    ("gmm_kernel", {}, "gemm"),  # the experts' grouped GEMMs, forward and d_lhs, then d_rhs
+    ("tgmm_kernel", {}, "gemm"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_6_64x128x128_4x1x1_kernel0_0", {}, "attention"),
     ("flash_attention_bwd_dkdv", {}, "attention"),
     ("ncclDevKernel_AllGather_RING_LL", {}, "collective"),

@@ -32,9 +32,10 @@ RULES: list[tuple[str, str]] = [
     ("attention", r"fmha|flash|sdpa|attention|splash|mha_|_mha|cudnn.*softmax"),
     ("optimizer", r"adam|optax|optimizer|opt_update|multi_tensor"),
     # cuBLAS/cublasLt kernels (sm90_xmma_gemm_*, nvjet_*, cutlass_*), XLA's Triton GEMM fusions and
-    # custom calls, CPU dots. On the CPU, XLA hands dots to YNNPACK/XNNPACK as ynn_/xnn_ fusions.
+    # custom calls, CPU dots, the experts' grouped GEMMs (pallas_kernels: gmm_kernel, tgmm_kernel). On the CPU,
+    # XLA hands dots to YNNPACK/XNNPACK as ynn_/xnn_ fusions.
     ("gemm", r"gemm|cublas|matmul|xmma|nvjet|cutlass|wgmma|hgmma|s16816|h16816|(^|[^a-z])dot([^a-z]|$)|"
-             r"ynn_fusion|xnn_fusion|convolution"),
+             r"(^|_)t?gmm_kernel|ynn_fusion|xnn_fusion|convolution"),
     ("elementwise", r"fusion|loop|input|convert|copy|transpose|broadcast|slice|concatenate|reduce|select|add|"
                     r"multiply|subtract|divide|exp|log|rsqrt|sqrt|tanh|negate|maximum|minimum|compare|iota|pad|"
                     r"reshape|bitcast|scatter|gather|triton|rms|norm|softmax|rope|sort|cumsum|rng"),
