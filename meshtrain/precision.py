@@ -125,10 +125,10 @@ def cast_sites(policy: Precision, params: Any) -> Any:
     """Params with the weights of bf16 matmul sites (`attn/wq` is site `attn.wq`) in the compute dtype, as
     the site would cast them; the rest (norm scales, the embedding, fp8 sites' fp32 masters) as they are.
 
-    Cast once where a step starts (the scan's loss, a pipeline stage), the copies serve the forward and the
-    backward alike: cast inside a rematerialized block, a weight is cast again when the backward reruns
-    the block, and under ZeRO-3 the all-gather then moves the compute dtype. A weight whose path does not
-    name its site (the shared experts' `shared/w_gate`) is cast where it is used, as before."""
+    Cast where the loss starts (once a microbatch) or where a pipeline stage starts (once a step), the copies
+    serve the forward and the backward alike; cast inside a rematerialized block, a weight was cast again when
+    the backward reran the block. A weight whose path does not name its site (the shared experts'
+    `shared/w_gate`) is cast where it is used, as before."""
     def one(path, a):  # the module and the weight's name; a box's `.value` is not a name
         site = ".".join([str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-2:])
         return policy.cast(a) if site in MATMUL_SITES and policy.recipe(site) == "bf16" else a

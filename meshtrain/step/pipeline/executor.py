@@ -151,7 +151,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                  [jnp.zeros((n_stash, *a.shape), a.dtype) for a in stash_of.buffers])
 
         # ZeRO-2/3: the accumulated gradients live where the step wants them (reduce-scattered over
-        # fsdp), not whole on every device of the stage. A chunk's rows replace the pp-sharded layer axis.
+        # fsdp), not whole on every device of the stage. Per layer, as the ops return them: the stacked layer
+        # axis (sharded over pp) is gone.
         mesh_in = rules.mesh
         g_layer_sh = unrolled_layers(setup.grad_shardings["layers"], k, model.every,  # a layer's, as weights_c
                                      take=lambda sh, i: jax.sharding.NamedSharding(mesh_in, P(*sh.spec[1:])))
