@@ -218,8 +218,7 @@ def init_variables(model: "Decoder", key: jax.Array, tokens_bt: jax.Array) -> di
     variables = nn.unbox(scanned.init(key, tokens_bt, tokens_bt, tokens_bt))
     if cfg.scan_layers:
         return variables
-    every = model.moe.every if model.moe is not None and model.moe.enabled else 1
-    return {name: {**tree, "layers": unrolled_layers(tree["layers"], cfg.n_layers, every)} if "layers" in tree
+    return {name: {**tree, "layers": unrolled_layers(tree["layers"], cfg.n_layers, model.every)} if "layers" in tree
             else tree for name, tree in variables.items()}
 
 
