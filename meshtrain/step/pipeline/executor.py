@@ -56,7 +56,8 @@ back once, for the input gradient and the sites' output gradients, and its W is 
 half: B 12 ms, W 4 ms, the unsplit B 16 ms). The first chunk's split backward is all W (its B does
 nothing: nobody waits for its input gradient), which the lockstep ticks of zb_h1 at pp=2 favour.
 Every tick sends one [b, T, D] message each way, whether or not a stage has one. Interleaved and
-dualpipe_v add the exchange of the blocks that change stage, each way, per step; the embedding/head psum
+dualpipe_v add the exchange of the blocks that change stage, each way, per step (the weights in the compute
+dtype, the gradients in fp32: 6 bytes a parameter of the blocks that move); the embedding/head psum
 adds one all-reduce of those parameters over pp per step (ticks.py `executor_op_units` prices the ops).
 """
 from __future__ import annotations
@@ -70,6 +71,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import fp8
+from meshtrain.precision import cast_sites
 from meshtrain.data import Batch
 from meshtrain.model.layers import FP8_META
 from meshtrain.model.transformer import stacked_layers, unrolled_layers
@@ -134,7 +136,10 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # chunk's weights and adds to its chunk's gradients where they are (a traced chunk index copied both
         # in and out of the [v, ...] stack at every op).
         with jax.named_scope(TRANSFER_SCOPE):
-            layers_c = exchange(split_blocks(layers, v), order, p)
+            # The blocks that change stage travel as the ops read them, the bf16 sites cast (half the bytes of
+            # their fp32 masters); their gradients come back in fp32.
+            blocks = split_blocks(layers, v)
+            layers_c = exchange([cast_sites(model.policy, lp) for lp in blocks], order, p)
             meta_c = exchange(split_blocks(meta_layers, v), order, p)  # fp8_delayed histories, or {} per chunk
         weights_c = [chunk_weights(model, lp, k) for lp in layers_c]  # what ops read, made once a step
         b, t = batch.tokens.shape[1:]
@@ -225,7 +230,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # The objective, the labelled tokens, the cross-entropy and each sown metric (token-weighted), summed.
         sums = {name: jnp.zeros((), jnp.float32) for name in ("loss", "count", "ce", *layers_sowing)}
         zeros_c = [lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, lp), g_layer_sh) for lp in
-                   (unrolled_layers(lp, k, model.every) for lp in layers_c)]
+                   (unrolled_layers(lp, k, model.every) for lp in blocks)]  # fp32, and every chunk's shapes alike
         carry = (pool, stash, zeros_c,
                  lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, shared), g_shared_sh), sums, meta_c)
         lane_rows = tuple({**{name: jnp.asarray(table[:, :, lane]) for name, table in ticks.lane_tables().items()},
