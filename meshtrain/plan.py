@@ -2,10 +2,10 @@
 [--verify K] [--gpu h100|h200] [--rate name=value ...]`
 
 Searches layouts for the model and global batch of the config: the seven mesh axes x ZeRO stage
-x remat policy x microbatch size x grad_accum. Each is estimated analytically (planning/memory.py,
-planning/timing.py); the fitting ones are ranked by predicted step time and printed with their
-memory breakdown, and every family of layouts that has no fitting member is listed with the
-reason. `given` is the estimate for the config exactly as given. `--verify K` compiles the top K
+x remat policy x microbatch size x grad_accum x (with pp) the pipeline schedule and its virtual stages.
+Each is estimated analytically (planning/memory.py, planning/timing.py); the fitting ones are ranked
+by predicted step time and printed with their memory breakdown, then the fastest of every other family
+(the axes a layout uses) that fits, and every family that has no fitting member, with the reason. `given` is the estimate for the config exactly as given. `--verify K` compiles the top K
 through the inspector and prints the estimate beside XLA's memory figure.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from meshtrain import launch
 from meshtrain.config import ConfigError
 
 GIB = 2.0**30
+LABEL = 58  # the layout column: "pp4 fsdp4 cp2 tp2+SP interleaved/v5 Z3 save_attn mb4x32" fits
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,11 +60,11 @@ def gib(x: float) -> str:
 
 def print_table(title: str, cands) -> None:
     print(title)
-    print(f"  {'#':>2}  {'layout':<46}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'total':>8}"
+    print(f"  {'#':>2}  {'layout':<{LABEL}}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'total':>8}"
           f"{'step s':>9}")
     for i, c in enumerate(cands, 1):
         m = c.memory
-        print(f"  {i:>2}  {c.layout.label():<46}{gib(m.params):>8}{gib(m.grads):>8}{gib(m.optimizer):>8}"
+        print(f"  {i:>2}  {c.layout.label():<{LABEL}}{gib(m.params):>8}{gib(m.grads):>8}{gib(m.optimizer):>8}"
               f"{gib(m.activations):>8}{gib(m.total):>8}{c.time['total_s']:>9.3g}")
 
 
@@ -80,7 +81,7 @@ def command(args: argparse.Namespace) -> int:
     launch.prepare(cfg, args.devices if args.verify else 1, flags=False)
 
     from meshtrain.config import resolve_mesh, with_mesh
-    from meshtrain.planning.search import as_given, search
+    from meshtrain.planning.search import as_given, family, search
 
     degrees, problems = resolve_mesh(cfg.mesh, args.devices)
     if problems:
@@ -89,11 +90,18 @@ def command(args: argparse.Namespace) -> int:
     # The plan is for the GPUs whose rates it uses: every `auto` is decided as a GPU run would decide it.
     given, _ = as_given(given_cfg, rates, args.devices, backend="gpu")
     device_bytes = args.device_memory * GIB
-    cands, rejected = search(cfg, args.devices, device_bytes, rates, backend="gpu", top=args.top)
+    every, rejected = search(cfg, args.devices, device_bytes, rates, backend="gpu", top=None)
+    cands = every[:args.top]
+    # The fastest of each family the top does not show: how far behind a pipeline (or any other axis) comes.
+    shown = {family(c.layout) for c in cands}
+    runners_up = {}
+    for c in every:
+        runners_up.setdefault(family(c.layout), c)
+    runners_up = [c for fam, c in runners_up.items() if fam not in shown]
 
     if args.json:
         print(json.dumps({"given": given.to_json(), "candidates": [c.to_json() for c in cands],
-                          "rejected": rejected}, indent=1))
+                          "other_families": [c.to_json() for c in runners_up], "rejected": rejected}, indent=1))
     else:
         m = cfg.model
         print(f"plan: {m.preset} ({m.n_layers} layers, d_model {m.d_model}), global batch {cfg.train.global_batch} x "
@@ -103,6 +111,8 @@ def command(args: argparse.Namespace) -> int:
         if given.memory.total > device_bytes:
             print(f"  does not fit: {gib(given.memory.total).strip()} GiB > {args.device_memory:g} GiB")
         print_table(f"\nbest layouts that fit (fastest first, {len(cands)} shown)", cands)
+        if runners_up:
+            print_table("\nthe fastest of each other family that fits", runners_up)
         later = {f: w for f, w in rejected.items() if "not available in this version (would fit" in w}
         other = {f: w for f, w in rejected.items() if f not in later and "not available" not in w}
         if other:

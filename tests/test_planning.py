@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +17,13 @@ import pytest
 from helpers import cli_env
 
 from meshtrain.config import ConfigError, build_config
+from meshtrain.config.pipeline import validate_args
 from meshtrain.launch import validated_mesh
 from meshtrain.planning import collectives as col
 from meshtrain.planning import guard, hlo
 from meshtrain.planning.aot import compile_step
-from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes, param_count, playbook_state_bytes
+from meshtrain.planning.memory import (Layout, estimate, layer_activation_bytes, param_count, param_tensors,
+                                       playbook_state_bytes)
 
 # Big enough that activations and state dominate the compiler's own scratch, small enough to compile
 # fast (compile time hardly depends on the shapes). fp32: the CPU compiler runs bf16 matmuls in fp32.
@@ -357,3 +360,64 @@ def test_plan_searches_pipelines_with_a_microbatch_per_stage():
     piped = [c.layout for c in fits if c.layout.degrees["pp"] > 1]
     assert {lay.degrees["pp"] for lay in piped} == {2, 4}, refused
     assert all(lay.grad_accum >= lay.degrees["pp"] for lay in piped)
+    # The schedules and their virtual stages are searched too, each one that runs these arguments.
+    assert {(lay.schedule, lay.virtual_stages) for lay in piped} >= {("1f1b", 1), ("interleaved", 2),
+                                                                      ("interleaved", 4), ("zb_h1", 1),
+                                                                      ("dualpipe_v", 2)}
+    assert not any(validate_args(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages) or
+                   cfg.model.n_layers % (lay.degrees["pp"] * lay.virtual_stages) for lay in piped)
+
+
+def test_pipeline_options_are_the_schedules_that_run():
+    from meshtrain.planning.search import pipeline_options
+
+    cfg = build_config({}, ["model.preset=llama3_70b"])  # 80 layers
+    opts = pipeline_options(cfg, 4, 64)
+    assert {("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("interleaved", 5), ("zb_h1", 1),
+            ("dualpipe_v", 2)} <= set(opts)
+    assert ("interleaved", 3) not in opts and ("interleaved", 8) not in opts  # 80 layers over 12 or 32 chunks
+    assert ("interleaved", 2) not in pipeline_options(cfg, 4, 6)  # 6 microbatches in groups of 4
+    assert ("dualpipe_v", 2) not in pipeline_options(cfg, 4, 6)  # needs two per stage
+
+
+def test_pipeline_time_is_the_executor_program_with_the_head():
+    """The bubble is timed on the program the executor runs, its ops priced in chunk forwards and the last
+    chunk's backward carrying the head: without a head it is the executor's op makespan over the ideal, the head
+    lengthens it, and the ratio of two schedules comes out as measured on 2x H100 (llama1b, seq 2048, pp=2,
+    8 microbatches, docs/PERFORMANCE.md 2026-11-27: zb_h1 252.6 ms against 1f1b 208.9, 1.21)."""
+    from meshtrain.planning.memory_pipeline import program
+    from meshtrain.planning.timing import _span, pipeline_span
+
+    t = program("zb_h1", 4, 8, 1)
+    assert _span("zb_h1", 4, 8, 1, 0.0) == pytest.approx(t.op_makespan / (8 * 3))
+    assert _span("1f1b", 2, 8, 1, 0.0) == pytest.approx(1.125)  # the formula's 1 + (p-1)/m, run as is
+    assert _span("1f1b", 2, 8, 1, 0.5) > _span("1f1b", 2, 8, 1, 0.0)
+    cfg = build_config({}, ["model.preset=llama1b", "data.seq_len=2048", "train.global_batch=8"])
+    lay = Layout(dict(pp=2, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), grad_accum=8, micro_batch=1)
+    ratio = pipeline_span(cfg, replace(lay, schedule="zb_h1")) / pipeline_span(cfg, lay)
+    assert ratio == pytest.approx(252.6 / 208.9, rel=0.05)
+
+
+def test_interleaved_moves_the_blocks_that_change_stage():
+    from meshtrain.planning.timing import comm_bytes, moved_block_fraction
+
+    lay = Layout(dict(pp=2, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), grad_accum=8, micro_batch=8)
+    assert moved_block_fraction(lay) == 0
+    assert moved_block_fraction(replace(lay, schedule="interleaved", virtual_stages=2)) == 0.5
+    assert moved_block_fraction(replace(lay, schedule="dualpipe_v", virtual_stages=2)) == 0.5
+    cfg = build_config({}, ["model.preset=llama1b", "data.seq_len=2048", "train.global_batch=8"])
+    extra = (comm_bytes(cfg, replace(lay, schedule="interleaved", virtual_stages=2))["pp"] - comm_bytes(cfg, lay)["pp"])
+    layer_params = sum(t.elems for t in param_tensors(cfg, 1) if t.layer)
+    assert extra == pytest.approx(layer_params / 2 * 0.5 * (2 + 4), rel=0.02)  # a stage's half, bf16 there, fp32 back
+
+
+def test_plan_lists_pipelines_for_llama3_70b_on_64_gpus(capsys):
+    """The job NVIDIA runs as TP4 PP4 CP2 VP5: the plan's list holds pipeline layouts (with virtual stages), each
+    fitting the 80 GiB it was given."""
+    from meshtrain import plan
+    assert plan.main(["--devices", "64", "--device-memory", "80", "--json", "model.preset=llama3_70b",
+                      "data.seq_len=8192", "train.global_batch=128"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    piped = [c for c in out["candidates"] + out["other_families"] if c["layout"]["pp"] > 1]
+    assert piped and all(c["memory_bytes"]["total"] <= 80 * 2**30 for c in piped)
+    assert any("pipeline.virtual_stages=5" in c["overrides"] for c in piped)

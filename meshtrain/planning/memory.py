@@ -37,6 +37,7 @@ heap within 10% on tests/test_memory_grid.py's grid, but neither bounds it: read
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from meshtrain.config import Config, padded_vocab
@@ -75,12 +76,17 @@ class Layout:
                  f"train.grad_accum={self.grad_accum}",
                  f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
                 + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
-                   if self.degrees["pp"] > 1 else []))
+                   if self.degrees["pp"] > 1 else [])
+                # Inside a pipeline stage the ring runs on two ranks only (config validation): gather K/V instead.
+                + (["parallel.cp_impl=allgather"] if self.degrees["pp"] > 1 and self.degrees["cp"] > 2 else []))
 
     def label(self) -> str:
         mesh = " ".join(f"{a}{n}" for a, n in self.degrees.items() if n > 1) or "1 device"
         sp = "+SP" if self.sequence_parallel else ""
-        return f"{mesh}{sp} Z{self.zero_stage} {self.remat} mb{self.micro_batch}x{self.grad_accum}"
+        pipe = ""
+        if self.degrees["pp"] > 1:
+            pipe = f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return f"{mesh}{sp}{pipe} Z{self.zero_stage} {self.remat} mb{self.micro_batch}x{self.grad_accum}"
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,12 @@ class Tensor:
 
 def moe_layers(cfg: Config) -> int:
     """Layers whose FFN is a mixture of experts (every `moe.every`-th; none in a dense model)."""
-    return sum(cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers))
+    return _moe_layers(cfg.moe, cfg.model.n_layers)
+
+
+@functools.lru_cache(maxsize=64)  # the planner asks once per layout it estimates
+def _moe_layers(moe, n_layers: int) -> int:
+    return sum(moe.is_moe_layer(i) for i in range(n_layers))
 
 
 def param_tensors(cfg: Config, tp: int, ep: int = 1) -> list[Tensor]:
@@ -302,8 +313,10 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     # 51.9 GiB before and after, docs/PERFORMANCE.md): the peak is not where they live.
     if lay.zero_stage >= 3:  # one layer gathered for its forward/backward (the scan gathers per layer)
         params += layer_weights
-    if g["pp"] > 1:  # the tick loop's copy of the stage's layer weights (memory_pipeline)
-        params += 4 * _sharded_elems([t for t in tensors if t.layer], lay, lay.zero_stage >= 3)
+    if g["pp"] > 1:  # the copy of the stage's layer weights its ops read (memory_pipeline): cast to the compute
+        # dtype once a step (ops.chunk_weights), except fp8 sites, which quantize from the fp32 master per op
+        copy = 4 if cfg.precision.matmul.startswith("fp8") else DTYPE_BYTES[cfg.precision.compute]
+        params += copy * _sharded_elems([t for t in tensors if t.layer], lay, lay.zero_stage >= 3)
     # Gradients of the whole stack live at once (the scan's stacked output); a second copy when the
     # microbatch loop accumulates them.
     grads = 4 * p_grad * (2 if lay.grad_accum > 1 else 1)

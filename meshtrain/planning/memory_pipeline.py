@@ -20,19 +20,28 @@ import functools
 from typing import Any
 
 from meshtrain.step.pipeline.schedules import SPLIT_KINDS, ScheduleError, make_schedule
-from meshtrain.step.pipeline.ticks import tick_tables
+from meshtrain.step.pipeline.ticks import TickTables, tick_tables
 
 Layout = Any  # memory.Layout, which imports this module: its degrees, schedule, grad_accum, virtual_stages
 
 
 @functools.lru_cache(maxsize=None)
+def program(kind: str, pp: int, microbatches: int, virtual_stages: int) -> TickTables | None:
+    """The program the executor runs for this schedule (ticks.py), or None where the schedule cannot run
+    these arguments. Read by this module (what a stage holds) and by timing.py (how long the program takes)."""
+    try:
+        return tick_tables(make_schedule(kind, pp, microbatches, virtual_stages))
+    except ScheduleError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def _peak(kind: str, pp: int, microbatches: int, virtual_stages: int) -> tuple[int, int]:
     """(peak in flight, stash slots: chunk-microbatches held from F to their last reader)."""
-    try:
-        ticks = tick_tables(make_schedule(kind, pp, microbatches, virtual_stages))
-        return max(ticks.peak_in_flight), ticks.n_stash_slots
-    except ScheduleError:
+    ticks = program(kind, pp, microbatches, virtual_stages)
+    if ticks is None:
         return microbatches, microbatches  # the schedule cannot run this; all forward, then all backward
+    return max(ticks.peak_in_flight), ticks.n_stash_slots
 
 
 def in_flight(lay: Layout) -> int:

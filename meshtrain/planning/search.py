@@ -1,8 +1,9 @@
 """Enumerate layouts for a model and a global batch, estimate each, keep what fits, rank by time.
 
 Candidates: every factorisation of the device count over the seven axes x ZeRO stage x remat
-policy x microbatch size x grad_accum (microbatch x grad_accum = global batch), filtered by what
-the model's shape allows (heads over tp, sequence over cp/sp, sequences over dp/fsdp). Layouts are
+policy x microbatch size x grad_accum (microbatch x grad_accum = global batch) x, where pp > 1, the
+pipeline schedule and its virtual stages (pipeline_options), filtered by what the model's shape allows
+(heads over tp, sequence over cp/sp, sequences over dp/fsdp, layers over pp x virtual stages). Layouts are
 grouped into families (which axes are used) so that the planner can say why a family was dropped:
 "does not divide", "not available in this version" or "over memory by X GiB at best".
 """
@@ -18,6 +19,10 @@ from meshtrain.planning.timing import Rates, step_time
 from meshtrain.resolve import Execution, resolve
 
 REMATS = ("none", "save_attn", "save_dots", "full")
+# The schedules searched: afab holds every microbatch with 1f1b's bubble, so it never wins; interleaved with up to
+# MAX_VIRTUAL chunks per stage (more cut the chunks too thin for their matmuls and add ticks).
+SCHEDULES = ("1f1b", "interleaved", "zb_h1", "dualpipe_v")
+MAX_VIRTUAL = 8
 UNAVAILABLE = "is not available in this version"  # validate()'s words for an axis still to come
 
 
@@ -57,14 +62,27 @@ def as_given(cfg: Config, rates: Rates, n_devices: int, backend: str) -> tuple[C
     return Candidate(lay, run_estimate(cfg, exe), step_time(cfg, lay, rates, n_devices)), exe
 
 
+def pipeline_options(cfg: Config, pp: int, microbatches: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) that run `microbatches` over `pp` stages of this model, the config's own first."""
+    own = (cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+    candidates = [own] + [(kind, v) for kind in SCHEDULES
+                          for v in ((2,) if kind == "dualpipe_v" else range(2, MAX_VIRTUAL + 1) if kind == "interleaved"
+                                    else (1,))]
+    out = []
+    for kind, v in candidates:
+        if (kind, v) not in out and cfg.model.n_layers % (pp * v) == 0 and not validate_args(kind, pp, microbatches, v):
+            out.append((kind, v))
+    return out
+
+
 def family(lay: Layout) -> str:
     used = [a for a in AXES if lay.degrees[a] > 1]
     return "+".join(used) or "single device"
 
 
 def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, backend: str = "gpu",
-           top: int = 10) -> tuple[list[Candidate], dict[str, str]]:
-    """(the fitting candidates, fastest first; {family: why it has no fitting candidate})."""
+           top: int | None = 10) -> tuple[list[Candidate], dict[str, str]]:
+    """(the `top` fitting candidates (None: all), fastest first; {family: why it has no fitting candidate})."""
     best_by_family: dict[str, Candidate] = {}
     fits: list[Candidate] = []
     refused: dict[str, str] = {}
@@ -80,15 +98,19 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
         if degrees["ep"] > 1 and not cfg.moe.n_experts:
             refused.setdefault(family(Layout(degrees)), "ep shards MoE experts; this model has none")
             continue
-        # A pipeline needs a microbatch per stage at least (and what its schedule asks of their number).
+        # A pipeline needs a schedule that runs its microbatches (at least one per stage).
         pp = degrees["pp"]
-        runnable = [a for a in accums if (gb // a) % (degrees["dp"] * degrees["fsdp"]) == 0 and
-                    (pp == 1 or not validate_args(cfg.pipeline.schedule, pp, a, cfg.pipeline.virtual_stages))]
+        schedules = {a: pipeline_options(cfg, pp, a) if pp > 1 else [(cfg.pipeline.schedule, 1)] for a in accums}
+        runnable = [a for a in accums if (gb // a) % (degrees["dp"] * degrees["fsdp"]) == 0 and schedules[a]]
         for sp_flag in ((False, True) if degrees["tp"] > 1 else (False,)):
             base = Layout(degrees, sequence_parallel=sp_flag)
             fam = family(base)
-            first = runnable[0] if runnable else 1
-            base_cfg = layout_config(cfg, replace(base, micro_batch=gb // first, grad_accum=first))
+            # Validated as its first runnable knobs, or (none runnable) as the most microbatches, so that the
+            # config error names what else stops the family.
+            first = runnable[0] if runnable else accums[-1]
+            kind, v = schedules[first][0] if runnable else (cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+            base_cfg = layout_config(cfg, replace(base, micro_batch=gb // first, grad_accum=first, schedule=kind,
+                                                  virtual_stages=v))
             try:
                 validate(base_cfg, n_devices)
                 available = True
@@ -103,9 +125,13 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
             except ConfigError as e:
                 refused.setdefault(fam, e.problems[0])
                 continue
-            for zero, remat, accum in itertools.product((0, 1, 2, 3) if degrees["fsdp"] > 1 else (0,), REMATS,
-                                                        runnable):
-                lay = replace(base, zero_stage=zero, remat=remat, micro_batch=gb // accum, grad_accum=accum)
+            knobs = [(zero, remat, accum, kind, v)
+                     for zero, remat, accum in itertools.product((0, 1, 2, 3) if degrees["fsdp"] > 1 else (0,), REMATS,
+                                                                 runnable)
+                     for kind, v in schedules[accum]]
+            for zero, remat, accum, kind, v in knobs:
+                lay = replace(base, zero_stage=zero, remat=remat, micro_batch=gb // accum, grad_accum=accum,
+                              schedule=kind, virtual_stages=v)
                 cand = evaluate(cfg, lay, rates, n_devices, attention_impl)
                 prev = best_by_family.get(fam)
                 if prev is None or cand.memory.total < prev.memory.total:
@@ -134,4 +160,4 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
         if fam in {family(c.layout) for c in fits}:
             del refused[fam]
     fits.sort(key=lambda c: (c.time["total_s"], c.memory.total))
-    return fits[:top], refused
+    return fits[:top] if top is not None else fits, refused

@@ -7,7 +7,14 @@
     exposed   = the part of communication not hidden behind compute: dp/fsdp gradient and weight
                 traffic overlaps with the backward pass (overlap fraction), tp/sp/cp traffic sits on
                 the critical path of every layer
-    pipeline  = bubble (p-1)/m of the compute for 1F1B-like schedules
+    latency   = a fixed cost per collective (Rates.latency_*), times the collectives each axis launches on
+                the step's critical path (collective_counts)
+    pipeline  = the program the executor runs (step/pipeline/ticks.py), timed: Σ over its lockstep ticks of
+                the busiest stage's ops, each op priced in chunk forwards (ticks.executor_op_units) and the
+                last chunk's backward also carrying the head and loss (head_units); what exceeds the stage's
+                share of the compute is the bubble. So the bubble is the schedule's as the executor runs it,
+                not the formula's (p-1)/m: measured on 2x H100 (llama1b pp=2, m=8, docs/PERFORMANCE.md),
+                zb_h1 / 1f1b = 1.21 against 1.22 from this model, and 1.39 against 1.43 at pp=4
 
 The bytes per axis follow how meshtrain lays the model out (sharding.py):
     dp        all-reduce of the gradients (replicated params)            2(n-1)/n · 4·P
@@ -16,16 +23,24 @@ The bytes per axis follow how meshtrain lays the model out (sharding.py):
     tp        per layer, 2 all-reduces forward and 2 backward of the
               [tokens, D] activations (or all-gather + reduce-scatter with SP: the same bytes)
     cp, sp    K/V ring (cp) and all-to-all of q/k/v/o (sp) per layer
-    pp        activations [tokens, D] per microbatch boundary, forward and backward
+    pp        activations [tokens, D] per microbatch boundary, forward and backward; interleaved and
+              dualpipe_v also move the blocks that change stage each step (weights in the compute dtype
+              there, gradients in fp32 back: step/pipeline/layout.py)
 P is the number of parameters on the device before fsdp sharding (params / tp / pp).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from meshtrain.config import Config
+import numpy as np
+
+from meshtrain.config import Config, padded_vocab
 from meshtrain.metrics import flops_per_token
-from meshtrain.planning.memory import DTYPE_BYTES, Layout, param_count
+from meshtrain.planning.memory import DTYPE_BYTES, Layout, param_count, param_tensors
+from meshtrain.planning.memory_pipeline import chunk_layers, program
+from meshtrain.step.pipeline.layout import stage_order
+from meshtrain.step.pipeline.ticks import B, LAST, executor_op_units
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,10 @@ class Rates:
     ib_bw: float = 50e9  # bytes/s per GPU across nodes (400 Gb/s NIC)
     devices_per_node: int = 8
     overlap: float = 0.8  # fraction of dp/fsdp traffic hidden behind the backward pass
+    # A collective's fixed cost (launch and synchronisation, NCCL's small-message latency), inside a node and
+    # across nodes: assumed figures of the usual order, not measured here.
+    latency_nvlink_s: float = 15e-6
+    latency_ib_s: float = 40e-6
 
     @classmethod
     def preset(cls, name: str) -> "Rates":
@@ -78,11 +97,81 @@ def comm_bytes(cfg: Config, lay: Layout) -> dict[str, float]:
         out["cp"] = 3 * (g["cp"] - 1) * tokens * kv * c * layers
     if g["pp"] > 1:
         out["pp"] = 2 * tokens * m.d_model * c
+        # The blocks that change stage: weights there in the compute dtype, their fp32 gradients back.
+        layer_params = p_local * (1 - (2 - m.tie_embeddings) * padded_vocab(m, 1) * m.d_model / param_count(cfg))
+        out["pp"] += moved_block_fraction(lay) * layer_params * (c + 4) / (g["fsdp"] if lay.zero_stage >= 3 else 1)
     return out
 
 
+def collective_counts(cfg: Config, lay: Layout) -> dict[str, float]:
+    """Collectives each device launches per step, by axis (what the latency term multiplies). Per layer and
+    microbatch: tp 4 (2 forward, 2 backward; Megatron SP: an all-gather and a reduce-scatter in their place,
+    twice as many), sp 8 all-to-alls, cp a ring step per other rank forward and two backward (1 and 2
+    gathers for cp_impl=allgather), fsdp 2 all-gathers and a reduce-scatter under ZeRO-3 (1 and 1
+    otherwise), ep 4 all-to-alls per MoE layer; dp one all-reduce per layer per step; pp 2 permutes per tick."""
+    g, m = lay.degrees, cfg.model
+    micro = lay.grad_accum
+    layers = m.n_layers / g["pp"]
+    out = {a: 0.0 for a in g}
+    if g["tp"] > 1:
+        out["tp"] = (8 if lay.sequence_parallel else 4) * layers * micro
+    if g["sp"] > 1:
+        out["sp"] = 8 * layers * micro
+    if g["cp"] > 1:
+        ring = cfg.parallel.cp_impl != "allgather" and not (g["pp"] > 1 and g["cp"] > 2)
+        out["cp"] = (3 * (g["cp"] - 1) if ring else 3) * layers * micro
+    if g["fsdp"] > 1:
+        out["fsdp"] = (3 if lay.zero_stage >= 3 else 2) * layers * micro
+    if g["ep"] > 1:
+        out["ep"] = 4 * sum(cfg.moe.is_moe_layer(i) for i in range(m.n_layers)) / g["pp"] * micro
+    if g["dp"] > 1:
+        out["dp"] = layers
+    if g["pp"] > 1:
+        ticks = program(lay.schedule, g["pp"], lay.grad_accum, lay.virtual_stages)
+        out["pp"] = 2 * (ticks.n_ticks if ticks is not None else 2 * lay.grad_accum)
+    return out
+
+
+def head_units(cfg: Config, lay: Layout) -> float:
+    """The head and loss (the last chunk's extra work per microbatch) in forwards of one pipeline chunk: the
+    [D, V] matmul against the chunk's layers' matmuls and causal attention."""
+    m = cfg.model
+    layer_params = sum(t.elems for t in param_tensors(cfg, 1) if t.layer) / m.n_layers
+    per_layer = layer_params + cfg.data.seq_len * m.n_heads * m.kv_dim  # flops_per_token's terms, per layer
+    return padded_vocab(m, 1) * m.d_model / (chunk_layers(m.n_layers, lay) * per_layer)
+
+
+def pipeline_span(cfg: Config, lay: Layout) -> float:
+    """The executor's program for this layout, in chunk-forward units: Σ over ticks of the busiest stage's
+    ops (module docstring), over the stage's even share of the same work. 1 is a pipeline without a bubble;
+    the schedule's formula would say 1 + bubble_ratio."""
+    g = lay.degrees
+    return _span(lay.schedule, g["pp"], lay.grad_accum, lay.virtual_stages, head_units(cfg, lay))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner times many layouts of one program
+def _span(kind: str, p: int, m: int, v: int, h: float) -> float:
+    ticks = program(kind, p, m, v)
+    if ticks is None:  # a schedule that cannot run these arguments: all forwards, then all backwards
+        return 1 + (p - 1) / m
+    units = np.vectorize(lambda op, pos: executor_op_units(op, pos, ticks.split_backward) +
+                         (h if op == B and pos == LAST else 0.0), otypes=[float])(ticks.kind, ticks.position)
+    span = units.sum(axis=2).max(axis=1).sum()
+    return float(span / ((p * m * v * 3 + m * h) / p))
+
+
+def moved_block_fraction(lay: Layout) -> float:
+    """Of a stage's layer blocks, the fraction the schedule runs on another stage than the one storing it
+    (step/pipeline/layout.py: exchanged there each step and their gradients back)."""
+    p, v = lay.degrees["pp"], lay.virtual_stages
+    if v == 1 and lay.schedule != "dualpipe_v":
+        return 0.0
+    order = stage_order(lay.schedule, p, v)
+    return float(np.mean([order[i] // v != i // v for i in range(p * v)]))
+
+
 def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[str, float]:
-    """Seconds per optimizer step: compute, exposed communication per axis, bubble, total."""
+    """Seconds per optimizer step: compute, exposed communication per axis, collective latency, bubble, total."""
     g = lay.degrees
     tokens = lay.micro_batch * lay.grad_accum * cfg.data.seq_len
     n_params = param_count(cfg, g["tp"])
@@ -97,9 +186,11 @@ def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[st
         t = nbytes / link_bw(rates, axis, lay) if nbytes else 0.0
         hidden = rates.overlap if axis in ("dp", "fsdp") else 0.0
         exposed[axis] = t * (1 - hidden)
-    bubble = 0.0
-    if g["pp"] > 1:
-        bubble = compute * (g["pp"] - 1) / max(lay.grad_accum, 1)
-    total = compute + sum(exposed.values()) + bubble
+    latency = 0.0
+    for axis, count in collective_counts(cfg, lay).items():
+        per = rates.latency_nvlink_s if link_bw(rates, axis, lay) == rates.nvlink_bw else rates.latency_ib_s
+        latency += count * per * (1 - (rates.overlap if axis in ("dp", "fsdp") else 0.0))
+    bubble = compute * (pipeline_span(cfg, lay) - 1) if g["pp"] > 1 else 0.0
+    total = compute + sum(exposed.values()) + latency + bubble
     return {"compute_s": compute, "bubble_s": bubble, **{f"comm_{a}_s": t for a, t in exposed.items() if t},
-            "total_s": total}
+            "latency_s": latency, "total_s": total}
