@@ -112,7 +112,9 @@ def command(args: argparse.Namespace) -> int:
             print(f"  does not fit: {gib(given.memory.total).strip()} GiB > {args.device_memory:g} GiB")
         print_table(f"\nbest layouts that fit (fastest first, {len(cands)} shown)", cands)
         if runners_up:
-            print_table("\nthe fastest of each other family that fits", runners_up)
+            more = f"; {len(runners_up) - args.top} more in --json" if len(runners_up) > args.top else ""
+            print_table(f"\nthe fastest of each other family that fits ({min(len(runners_up), args.top)} shown{more})",
+                        runners_up[:args.top])
         later = {f: w for f, w in rejected.items() if "not available in this version (would fit" in w}
         other = {f: w for f, w in rejected.items() if f not in later and "not available" not in w}
         if other:

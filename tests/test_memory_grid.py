@@ -106,7 +106,7 @@ def test_estimate_within_10_percent_of_xla(reports):
     its resident state (params, optimizer state, batch) against the arguments, which it counts exactly."""
     rows, bad = [], []
     for name, (cfg, report) in reports.items():
-        est = estimate(cfg, Layout.of(cfg), attention_kind(report.execution), fp8_value_bytes=4)  # XLA:CPU
+        est = estimate(cfg, Layout.of(cfg), attention_kind(report.execution), backend="cpu")
         peak, args = report.memory["peak_bytes"], report.memory["argument_bytes"]
         err, arg_err = est.total / peak - 1, est.detail["arguments"] / args - 1
         terms = "  ".join(f"{k} {v / 2**20:6.2f}" for k, v in est.to_json().items() if k != "total")

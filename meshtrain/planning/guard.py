@@ -70,7 +70,8 @@ def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None
     if need <= limit:
         return
     parts = ", ".join(f"{k} {v * per / GIB:.1f}" for k, v in est.biggest())
-    fix = next((f for f, alt in _fixes(lay, cfg) if estimate(cfg, alt, attn).total * per <= limit), None)
+    fix = next((f for f, alt in _fixes(lay, cfg) if estimate(cfg, alt, attn, exe.moe_gemm or "ragged_dot",
+                                                                  backend=exe.backend).total * per <= limit), None)
     if gpu and memory_fraction < LARGE_MEM_FRACTION and need <= limit / memory_fraction * LARGE_MEM_FRACTION:
         fix = (f"run.gpu_memory_fraction={LARGE_MEM_FRACTION} (jax's allocator then takes {LARGE_MEM_FRACTION:.0%} of "
                f"each GPU instead of {memory_fraction:.0%}; for a process that has its GPUs to itself)"

@@ -154,10 +154,13 @@ class Memory:
     optimizer: float
     activations: float
     detail: dict = field(default_factory=dict, compare=False)
+    # Bytes counted twice above that the backend's buffer assignment gives once (estimate: the gradients written
+    # into the space the residuals free during the backward).
+    reused: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations - self.reused
 
     def to_json(self) -> dict:
         return {"params": int(self.params), "grads": int(self.grads), "optimizer": int(self.optimizer),
@@ -263,8 +266,7 @@ def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
 def run_estimate(cfg: Config, exe: Execution) -> Memory:
     """The one estimate of a config as it will run: its own layout and schedule, the attention its
     Execution picked. The memory guard and the planner's "as given" row both read this."""
-    return estimate(cfg, Layout.of(cfg), attention_kind(exe), exe.moe_gemm or "ragged_dot",
-                    fp8_value_bytes=4 if exe.backend == "cpu" else 1)
+    return estimate(cfg, Layout.of(cfg), attention_kind(exe), exe.moe_gemm or "ragged_dot", backend=exe.backend)
 
 
 def attention_kind(exe: Execution) -> str:
@@ -296,11 +298,20 @@ def split_backward_bytes(cfg: Config, lay: Layout) -> float:
 
 
 def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", grouped_matmul: str = "ragged_dot",
-             fp8_value_bytes: int = 1) -> Memory:
+             backend: str = "gpu") -> Memory:
     """Per-device bytes of `cfg`'s model run as `lay` (the config's own layout fields are ignored). A pipeline
     stage holds its schedule's stash (memory_pipeline). `grouped_matmul`: how the experts' GEMMs run
     (Execution.moe_gemm); XLA's ragged_dot holds more (memory_moe.grouped_matmul_working_bytes).
-    `fp8_value_bytes`: a quantized value as the backend holds it (1; XLA:CPU runs fp8 matmuls on fp32 values, 4)."""
+
+    `backend`: whose buffer assignment to model. "cpu" (XLA:CPU; tests/test_memory_grid.py's grid): every term
+    is added, a pipeline's stash counts twice and an fp8 value takes 4 bytes (its matmuls run on fp32 values).
+    "gpu" (XLA:GPU, whose memory_analysis() peak equals the allocator's measured peak: docs/PERFORMANCE.md
+    2026-11-27): without gradient accumulation the stack's gradients are written into the space its residuals
+    free (`reused`: the smaller of the two counts once); with it, the accumulator and the microbatch's
+    gradients live beside the residuals, so everything adds up; a pipeline stage holds its stash once and its
+    per-layer accumulators (the restacked gradients come after the stash is gone). Checked against six GPU
+    peaks (tests/test_memory_gpu_peaks.py), each within 10%."""
+    fp8_value_bytes = 4 if backend == "cpu" else 1
     g, m = lay.degrees, cfg.model
     tensors = param_tensors(cfg, g["tp"], g["ep"])
     p_res = _sharded_elems(tensors, lay, lay.zero_stage >= 3)
@@ -319,7 +330,7 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
         params += copy * _sharded_elems([t for t in tensors if t.layer], lay, lay.zero_stage >= 3)
     # Gradients of the whole stack live at once (the scan's stacked output); a second copy when the
     # microbatch loop accumulates them.
-    grads = 4 * p_grad * (2 if lay.grad_accum > 1 else 1)
+    grads = 4 * p_grad * (2 if lay.grad_accum > 1 and not (backend == "gpu" and g["pp"] > 1) else 1)
     optimizer = optimizer_state_bytes(cfg, tensors, lay)
 
     kept = layer_activation_bytes(cfg, lay, attention_impl)
@@ -342,14 +353,16 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     if g["pp"] == 1:  # the scan's stacked residuals of every layer, one microbatch at a time
         stack = kept * m.n_layers
     else:
-        stack = stage_activation_bytes(m.n_layers, lay, kept, split_backward_bytes(cfg, lay))
+        stack = stage_activation_bytes(m.n_layers, lay, kept, split_backward_bytes(cfg, lay),
+                                       stash_copies=2 if backend == "cpu" else 1)
         if cfg.precision.matmul.startswith("fp8"):
             # A chunk runs its layers unrolled (step/pipeline/ops.py), and its op holds every layer's quantized
             # weights and their transposes at once (read from the compiled step: k x about twice the layer's
             # weights at fp32 on the CPU, where the quantized values are fp32).
             working += 2 * chunk_layers(m.n_layers, lay) * layer_weights / 4 * fp8_value_bytes
     activations = stack + working + head + batch_in
-    return Memory(params, grads, optimizer, activations,
+    reused = min(grads, activations) if backend == "gpu" and g["pp"] == 1 and lay.grad_accum == 1 else 0.0
+    return Memory(params, grads, optimizer, activations, reused=reused,
                   detail=dict(kept_per_layer=kept, layer_full_set=full_set, head=head, in_flight=in_flight(lay),
                               stack=stack, working=working, arguments=4 * p_res + optimizer + batch_in))
 

@@ -9,9 +9,9 @@ The executor runs the schedule as a scan over ticks. Its carry holds, per stage:
     weights    the stage's layer weights as the ops read them, a copy of the stored shard (split into chunks,
                exchanged between stages where the schedule holds chunks spread over the model)
 
-XLA's buffer assignment holds every stash leaf twice: once in the carry, once as the result of the switch that
-fills its slot (the peak's live buffers list each stash leaf as a `copy` beside a `cond{i}` of the same size), so
-the stash counts twice. The last chunk's B runs that chunk's forward too (head and loss included), so the stage
+XLA:CPU's buffer assignment holds every stash leaf twice: once in the carry, once as the result of the switch
+that fills its slot (the peak's live buffers list each stash leaf as a `copy` beside a `cond{i}` of the same
+size), so there the stash counts twice; XLA:GPU's holds it once (the 1.36B config at pp=2: 17.4 GiB measured). The last chunk's B runs that chunk's forward too (head and loss included), so the stage
 also holds one chunk's residuals while it runs.
 """
 from __future__ import annotations
@@ -66,9 +66,10 @@ def is_tapped(lay: Layout) -> bool:
     return lay.schedule in SPLIT_KINDS and lay.degrees["pp"] * lay.virtual_stages > 2
 
 
-def stage_activation_bytes(n_layers: int, lay: Layout, kept_per_layer: float, split_per_layer: float) -> float:
-    """The stash, twice (module docstring), and the last chunk's own forward. `split_per_layer`: what a tapped
-    layer keeps more per microbatch (memory.split_backward_bytes)."""
+def stage_activation_bytes(n_layers: int, lay: Layout, kept_per_layer: float, split_per_layer: float,
+                           stash_copies: int = 2) -> float:
+    """The stash, `stash_copies` times (twice on XLA:CPU, module docstring; once on GPUs), and the last chunk's
+    own forward. `split_per_layer`: what a tapped layer keeps more per microbatch (memory.split_backward_bytes)."""
     k = chunk_layers(n_layers, lay)
     stash = stash_slots(lay) * k * (kept_per_layer + (split_per_layer if is_tapped(lay) else 0.0))
-    return 2 * stash + k * kept_per_layer
+    return stash_copies * stash + k * kept_per_layer

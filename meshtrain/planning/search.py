@@ -18,7 +18,7 @@ from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, esti
 from meshtrain.planning.timing import Rates, step_time
 from meshtrain.resolve import Execution, resolve
 
-REMATS = ("none", "save_attn", "save_dots", "full")
+REMATS = ("none", "save_dots_attn", "save_attn", "save_dots", "full")
 # The schedules searched: afab holds every microbatch with 1f1b's bubble, so it never wins; interleaved with up to
 # MAX_VIRTUAL chunks per stage (more cut the chunks too thin for their matmuls and add ticks).
 SCHEDULES = ("1f1b", "interleaved", "zb_h1", "dualpipe_v")
@@ -50,8 +50,8 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
     return build_config(cfg.to_dict(), lay.overrides())
 
 
-def evaluate(cfg: Config, lay: Layout, rates: Rates, n_devices: int, attention_impl: str) -> Candidate:
-    return Candidate(lay, estimate(cfg, lay, attention_impl), step_time(cfg, lay, rates, n_devices))
+def evaluate(cfg: Config, lay: Layout, rates: Rates, n_devices: int, attention_impl: str, backend: str) -> Candidate:
+    return Candidate(lay, estimate(cfg, lay, attention_impl, backend=backend), step_time(cfg, lay, rates, n_devices))
 
 
 def as_given(cfg: Config, rates: Rates, n_devices: int, backend: str) -> tuple[Candidate, Execution]:
@@ -132,7 +132,7 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
             for zero, remat, accum, kind, v in knobs:
                 lay = replace(base, zero_stage=zero, remat=remat, micro_batch=gb // accum, grad_accum=accum,
                               schedule=kind, virtual_stages=v)
-                cand = evaluate(cfg, lay, rates, n_devices, attention_impl)
+                cand = evaluate(cfg, lay, rates, n_devices, attention_impl, backend)
                 prev = best_by_family.get(fam)
                 if prev is None or cand.memory.total < prev.memory.total:
                     best_by_family[fam] = cand

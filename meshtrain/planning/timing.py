@@ -1,12 +1,13 @@
 """Step time from stated rates: compute, and the communication each mesh axis adds.
 
-    compute   = model FLOPs (6N + attention, x4/3 for full recomputation's second forward)
+    compute   = model FLOPs (6N + attention, and what the remat policy reruns: recomputed_fraction)
                 / (devices · peak · matmul efficiency)
     per axis  = bytes each device moves / link bandwidth; ring collectives move (n-1)/n of the
                 buffer per all-gather or reduce-scatter and 2(n-1)/n per all-reduce
     exposed   = the part of communication not hidden behind compute: dp/fsdp gradient and weight
                 traffic overlaps with the backward pass (overlap fraction), tp/sp/cp traffic sits on
                 the critical path of every layer
+    passes    = the memory-bound passes over the parameters (memory_passes_bytes) at HBM bandwidth
     latency   = a fixed cost per collective (Rates.latency_*), times the collectives each axis launches on
                 the step's critical path (collective_counts)
     pipeline  = the program the executor runs (step/pipeline/ticks.py), timed: Σ over its lockstep ticks of
@@ -18,8 +19,9 @@
 
 The bytes per axis follow how meshtrain lays the model out (sharding.py):
     dp        all-reduce of the gradients (replicated params)            2(n-1)/n · 4·P
-    fsdp      ZeRO-1/2: reduce-scatter grads + all-gather params         2(n-1)/n · 4·P
-              ZeRO-3:   + the weights gathered again for the backward     3(n-1)/n · 4·P
+    fsdp      ZeRO-0/1: gradients reduced, params gathered, once a step  2(n-1)/n · 4·P
+              ZeRO-2:   gradients reduce-scattered every microbatch       (n-1)/n · (4m + 4)·P
+              ZeRO-3:   + weights gathered for forward and backward       (n-1)/n · m(2c + 4)·P  (c: compute bytes)
     tp        per layer, 2 all-reduces forward and 2 backward of the
               [tokens, D] activations (or all-gather + reduce-scatter with SP: the same bytes)
     cp, sp    K/V ring (cp) and all-to-all of q/k/v/o (sp) per layer
@@ -82,9 +84,14 @@ def comm_bytes(cfg: Config, lay: Layout) -> dict[str, float]:
     ring = lambda n: (n - 1) / n  # noqa: E731
     out = {a: 0.0 for a in g}
     out["dp"] = 2 * ring(g["dp"]) * 4 * p_local
-    if g["fsdp"] > 1:
-        out["fsdp"] = (3 if lay.zero_stage >= 3 else 2) * ring(g["fsdp"]) * 4 * p_local
     c = DTYPE_BYTES[cfg.precision.compute]
+    if g["fsdp"] > 1:
+        # ZeRO-3 gathers the compute-dtype weights for every microbatch's forward and again for its backward, and
+        # ZeRO-2/3 reduce-scatter every microbatch's fp32 gradients into their sharded accumulator; ZeRO-0/1 reduce
+        # the accumulated gradients once a step, and ZeRO-1/2 gather the updated parameters once a step.
+        m_ = lay.grad_accum
+        per_param = {3: m_ * (2 * c + 4), 2: m_ * 4 + 4, 1: 4 + 4, 0: 2 * 4}[lay.zero_stage]
+        out["fsdp"] = ring(g["fsdp"]) * per_param * p_local
     tokens = lay.micro_batch * lay.grad_accum / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
     layers = m.n_layers / g["pp"]
     if g["tp"] > 1:
@@ -170,14 +177,32 @@ def moved_block_fraction(lay: Layout) -> float:
     return float(np.mean([order[i] // v != i // v for i in range(p * v)]))
 
 
+def recomputed_fraction(cfg: Config, remat: str) -> float:
+    """The forward work a remat policy reruns in the backward, over a layer's forward and backward (6N + attention,
+    as flops_per_token counts them), per token: full reruns all of the forward (1/3); save_dots the attention
+    kernel's forward (every matmul output is kept); save_dots_attn only elementwise work (0); save_attn the
+    output projection and the FFN's matmuls; a union the least of its parts; `names:` points half the forward
+    (a rough middle: which matmuls they spare depends on the points)."""
+    if "+" in remat:
+        return min(recomputed_fraction(cfg, part) for part in remat.split("+"))
+    m = cfg.model
+    attention = 2 * cfg.data.seq_len * m.n_heads * m.kv_dim  # the causal attention's forward FLOPs per token
+    ffn = 2 * 3 * m.d_model * m.d_ff
+    out_proj = 2 * m.n_heads * m.kv_dim * m.d_model
+    matmuls = out_proj + ffn + 2 * 2 * m.d_model * (m.n_heads + m.n_kv_heads) * m.kv_dim / 2  # wq, wk, wv, wo, FFN
+    forward = matmuls + attention
+    rerun = {"none": 0.0, "save_dots_attn": 0.0, "save_dots": attention, "save_attn": out_proj + ffn,
+             "full": forward}.get(remat, forward / 2)
+    return rerun / (3 * forward)
+
+
 def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[str, float]:
     """Seconds per optimizer step: compute, exposed communication per axis, collective latency, bubble, total."""
     g = lay.degrees
     tokens = lay.micro_batch * lay.grad_accum * cfg.data.seq_len
     n_params = param_count(cfg, g["tp"])
     flops = flops_per_token(cfg.model, n_params, cfg.data.seq_len) * tokens
-    if lay.remat != "none":  # the forward again in the backward: full 4/3, the partial policies less
-        flops *= 4 / 3 if lay.remat == "full" else 1.15
+    flops *= 1 + recomputed_fraction(cfg, lay.remat)
     peak = rates.peak_flops if cfg.precision.compute != "float32" else rates.peak_flops / 2
     compute = flops / (n_devices * peak * rates.matmul_efficiency)
     comm = comm_bytes(cfg, lay)
@@ -186,11 +211,29 @@ def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[st
         t = nbytes / link_bw(rates, axis, lay) if nbytes else 0.0
         hidden = rates.overlap if axis in ("dp", "fsdp") else 0.0
         exposed[axis] = t * (1 - hidden)
+    passes = memory_passes_bytes(cfg, lay) / rates.hbm_bw
     latency = 0.0
     for axis, count in collective_counts(cfg, lay).items():
         per = rates.latency_nvlink_s if link_bw(rates, axis, lay) == rates.nvlink_bw else rates.latency_ib_s
         latency += count * per * (1 - (rates.overlap if axis in ("dp", "fsdp") else 0.0))
     bubble = compute * (pipeline_span(cfg, lay) - 1) if g["pp"] > 1 else 0.0
-    total = compute + sum(exposed.values()) + latency + bubble
-    return {"compute_s": compute, "bubble_s": bubble, **{f"comm_{a}_s": t for a, t in exposed.items() if t},
-            "latency_s": latency, "total_s": total}
+    total = compute + passes + sum(exposed.values()) + latency + bubble
+    return {"compute_s": compute, "passes_s": passes, "bubble_s": bubble,
+            **{f"comm_{a}_s": t for a, t in exposed.items() if t}, "latency_s": latency, "total_s": total}
+
+
+def memory_passes_bytes(cfg: Config, lay: Layout) -> float:
+    """HBM bytes of the passes over the parameters that no matmul hides, per device and step: each microbatch
+    (a pipeline: each step) casts its sites' weights (4 B read, the compute dtype written; a ZeRO-3 shard) and, accumulating, adds its
+    fp32 gradient to the accumulator (12 B); the optimizer reads and writes every local parameter, its gradient
+    and AdamW's moments once a step (20 B + 2x the first moment's dtype)."""
+    g = lay.degrees
+    tensors = param_tensors(cfg, g["tp"], g["ep"])
+    local = sum(t.elems / (t.tp * t.ep) / (g["pp"] if t.layer else 1) for t in tensors)
+    fsdp = g["fsdp"]
+    c, mu = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.train.adam_mu_dtype]
+    cast = (4 + c) * local / (fsdp if lay.zero_stage >= 3 else 1)
+    accumulate = 12 * local / (fsdp if lay.zero_stage >= 2 else 1) if lay.grad_accum > 1 else 0.0
+    optimizer = (20 + 2 * mu) * local / (fsdp if lay.zero_stage >= 1 else 1)
+    casts = 1 if g["pp"] > 1 else lay.grad_accum  # a pipeline stage casts its chunks once a step (ops.chunk_weights)
+    return casts * cast + lay.grad_accum * accumulate + optimizer

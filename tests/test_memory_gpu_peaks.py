@@ -1,0 +1,45 @@
+"""The memory estimate (backend "gpu", as the guard and the planner use it on GPUs) against peaks measured on GPUs.
+
+Each row is a config as it ran, with the allocator's peak per device measured on H200s (jax 0.11.2): XLA:GPU's own
+memory_analysis() peak of the same compiled steps equalled it (38.25, 17.43, 118.6 GiB for the first three rows).
+Sources: docs/PERFORMANCE.md, 2026-11-27 ("Memory you can trust": `scripts/bench_plan.py --set calibration` and
+`--plan-top 3`; the OLMoE row from the "OLMoE at ep=2" section). Pure arithmetic: nothing is compiled here.
+"""
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.config import load_config, resolve_mesh, with_mesh
+from meshtrain.planning.memory import run_estimate
+from meshtrain.resolve import resolve
+
+GIB = 2.0**30
+LLAMA1B, LLAMA8B, OLMOE = "configs/llama1b_h100.yaml", "configs/llama3_8b_fsdp.yaml", "configs/olmoe_1b7b_ep2.yaml"
+PP2 = ["mesh.pp=2", "mesh.fsdp=1", "pipeline.schedule=1f1b", "train.grad_accum=8", "model.scan_layers=true"]
+B8 = ["train.global_batch=8"]
+
+# (config, overrides, devices, measured peak GiB per device)
+MEASURED = {
+    "1.36B config, 1 GPU": (LLAMA1B, [], 1, 38.25),
+    "1.36B config, pp=2 1f1b, 8 microbatches": (LLAMA1B, PP2, 2, 17.43),
+    "Llama-3-8B config, fsdp=2, 4 sequences a GPU": (LLAMA8B, B8, 2, 118.62),
+    "Llama-3-8B fsdp=2 ZeRO-3 save_dots": (LLAMA8B, B8 + ["train.remat=save_dots"], 2, 114.56),
+    "Llama-3-8B fsdp=2 ZeRO-3, 2 microbatches": (LLAMA8B, B8 + ["train.grad_accum=2"], 2, 107.90),
+    "Llama-3-8B fsdp=2 ZeRO-3 remat none, 4 microbatches": (LLAMA8B, B8 + ["train.remat=none", "train.grad_accum=4"], 2,
+                                                            116.0),
+    "Llama-3-8B tp=2 ZeRO-0 remat none, 4 microbatches": (
+        LLAMA8B, B8 + ["train.remat=none", "train.grad_accum=4", "mesh.fsdp=1", "mesh.tp=2", "train.zero_stage=0"],
+        2, 118.0),
+    "OLMoE-1B-7B config, ep=2": (OLMOE, [], 2, 65.8),
+}
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_gpu_estimate_within_10_percent_of_the_measured_peak(name):
+    path, overrides, n, measured = MEASURED[name]
+    cfg = load_config(path, overrides)
+    degrees, problems = resolve_mesh(cfg.mesh, n)
+    assert not problems, problems
+    cfg = with_mesh(cfg, degrees)
+    est = run_estimate(cfg, resolve(cfg, degrees, "gpu", packages_here=False)).total / GIB
+    assert est == pytest.approx(measured, rel=0.10), f"{name}: estimate {est:.1f} GiB, measured {measured} GiB"
