@@ -89,8 +89,8 @@ def comm_bytes(cfg: Config, lay: Layout) -> dict[str, float]:
         # ZeRO-3 gathers the compute-dtype weights for every microbatch's forward and again for its backward, and
         # ZeRO-2/3 reduce-scatter every microbatch's fp32 gradients into their sharded accumulator; ZeRO-0/1 reduce
         # the accumulated gradients once a step, and ZeRO-1/2 gather the updated parameters once a step.
-        m_ = lay.grad_accum
-        per_param = {3: m_ * (2 * c + 4), 2: m_ * 4 + 4, 1: 4 + 4, 0: 2 * 4}[lay.zero_stage]
+        micro = lay.grad_accum
+        per_param = {3: micro * (2 * c + 4), 2: micro * 4 + 4, 1: 4 + 4, 0: 2 * 4}[lay.zero_stage]
         out["fsdp"] = ring(g["fsdp"]) * per_param * p_local
     tokens = lay.micro_batch * lay.grad_accum / (g["dp"] * g["fsdp"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
     layers = m.n_layers / g["pp"]
@@ -189,7 +189,7 @@ def recomputed_fraction(cfg: Config, remat: str) -> float:
     attention = 2 * cfg.data.seq_len * m.n_heads * m.kv_dim  # the causal attention's forward FLOPs per token
     ffn = 2 * 3 * m.d_model * m.d_ff
     out_proj = 2 * m.n_heads * m.kv_dim * m.d_model
-    matmuls = out_proj + ffn + 2 * 2 * m.d_model * (m.n_heads + m.n_kv_heads) * m.kv_dim / 2  # wq, wk, wv, wo, FFN
+    matmuls = out_proj + ffn + 2 * m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.kv_dim  # wo, the FFN, wq, wk, wv
     forward = matmuls + attention
     rerun = {"none": 0.0, "save_dots_attn": 0.0, "save_dots": attention, "save_attn": out_proj + ffn,
              "full": forward}.get(remat, forward / 2)
@@ -223,10 +223,11 @@ def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[st
 
 
 def memory_passes_bytes(cfg: Config, lay: Layout) -> float:
-    """HBM bytes of the passes over the parameters that no matmul hides, per device and step: each microbatch
-    (a pipeline: each step) casts its sites' weights (4 B read, the compute dtype written; a ZeRO-3 shard) and, accumulating, adds its
-    fp32 gradient to the accumulator (12 B); the optimizer reads and writes every local parameter, its gradient
-    and AdamW's moments once a step (20 B + 2x the first moment's dtype)."""
+    """HBM bytes of the passes over the parameters that no matmul hides, per device and step: each microbatch (a
+    pipeline: each step) casts its sites' weights (4 B read, the compute dtype written; under ZeRO-3 its shard),
+    each microbatch of an accumulating step adds its fp32 gradient to the accumulator (12 B), and the optimizer
+    reads and writes every local parameter, its gradient and AdamW's moments once a step (20 B + 2x the first
+    moment's dtype)."""
     g = lay.degrees
     tensors = param_tensors(cfg, g["tp"], g["ep"])
     local = sum(t.elems / (t.tp * t.ep) / (g["pp"] if t.layer else 1) for t in tensors)
