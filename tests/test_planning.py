@@ -22,8 +22,8 @@ from meshtrain.launch import validated_mesh
 from meshtrain.planning import collectives as col
 from meshtrain.planning import guard, hlo
 from meshtrain.planning.aot import compile_step
-from meshtrain.planning.memory import (Layout, estimate, layer_activation_bytes, param_count, param_tensors,
-                                       playbook_state_bytes)
+from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes, param_count, param_tensors
+from meshtrain.planning.playbook import playbook_state_bytes
 
 # Big enough that activations and state dominate the compiler's own scratch, small enough to compile
 # fast (compile time hardly depends on the shapes). fp32: the CPU compiler runs bf16 matmuls in fp32.
@@ -260,7 +260,7 @@ def n_layer_params(cfg) -> float:
 def test_playbook_activation_formula():
     """Korthikanti et al.: per layer sbh(34 + 5as/h); tp+SP divides all of it by t; full recomputation
     keeps 2sbh; the meshtrain block follows the same scaling in tp (with SP) and remat."""
-    from meshtrain.planning.memory import gpt_layer_activation_bytes as f
+    from meshtrain.planning.playbook import gpt_layer_activation_bytes as f
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B
     assert f(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
     assert f(s, b, h, a, t=8, sequence_parallel=True) == pytest.approx(f(s, b, h, a) / 8)

@@ -15,7 +15,7 @@ The Ultra-Scale Playbook's accounting, applied to the tensors meshtrain actually
       saved_residuals in the tests), by shape class:
       [tokens, D], [tokens, F/tp], [tokens, H/tp, E], [tokens, K/tp, E] and, for reference attention,
       the fp32 scores [b, H/tp, s, s] -- the Korthikanti et al. "sbh(34 + 5as/h)" of a GPT layer
-      (gpt_layer_activation_bytes), recounted for a Llama block (no dropout, SwiGLU, GQA, fp32 norms);
+      (playbook.gpt_layer_activation_bytes), recounted for a Llama block (no dropout, SwiGLU, GQA, fp32 norms);
       none keeps them all, full only the block input, save_dots the projections, save_attn q, k, v
       and the attention output. Tokens per device are divided by dp, fsdp and ep (sequences) and by cp
       and sp (sequence); tp divides heads and ffn, and with sequence parallelism the fp32 norm
@@ -383,24 +383,3 @@ def optimizer_state_bytes(cfg: Config, tensors: list[Tensor], lay: Layout) -> fl
     if cfg.train.optimizer == "muon":  # a momentum everywhere, Adam's fp32 second moment outside the blocks
         return mu * p_opt + 4 * _sharded_elems([t for t in tensors if not t.layer], lay, lay.zero_stage >= 1)
     return (mu + 4) * p_opt  # AdamW: m and an fp32 v
-
-
-def playbook_state_bytes(n_params: float, zero_stage: int, n_d: int, *, param_bytes: float = 2,
-                         grad_bytes: float = 2, optimizer_bytes: float = 12) -> dict[str, float]:
-    """The ZeRO paper's/playbook's model-state memory: (2 + 2 + K)·Ψ with K = 12, divided by N_d per stage."""
-    p, gr, o = param_bytes * n_params, grad_bytes * n_params, optimizer_bytes * n_params
-    return {"params": p / n_d if zero_stage >= 3 else p, "grads": gr / n_d if zero_stage >= 2 else gr,
-            "optimizer": o / n_d if zero_stage >= 1 else o}
-
-
-def gpt_layer_activation_bytes(s: int, b: int, h: int, a: int, *, t: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none") -> float:
-    """Korthikanti et al. (the playbook's activation formula) for one GPT layer in 16-bit:
-    sbh(34 + 5as/h); with tp: sbh(10 + 24/t + 5as/(ht)); with tp+SP: sbh/t (34 + 5as/h);
-    selective recomputation drops the 5as/h term; full recomputation keeps 2sbh (the layer input)."""
-    if recompute == "full":
-        return 2 * s * b * h / (t if sequence_parallel else 1)
-    attn = 0 if recompute == "selective" else 5 * a * s / h
-    if sequence_parallel:
-        return s * b * h / t * (34 + attn)
-    return s * b * h * (10 + 24 / t + attn / t)
