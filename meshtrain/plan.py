@@ -5,8 +5,9 @@ Searches layouts for the model and global batch of the config: the seven mesh ax
 x remat policy x microbatch size x grad_accum x (with pp) the pipeline schedule and its virtual stages.
 Each is estimated analytically (planning/memory.py, planning/timing.py); the fitting ones are ranked
 by predicted step time and printed with their memory breakdown, then the fastest of every other family
-(the axes a layout uses) that fits, and every family that has no fitting member, with the reason. `given` is the estimate for the config exactly as given. `--verify K` compiles the top K
-through the inspector and prints the estimate beside XLA's memory figure.
+(the axes a layout uses) that fits, and every family that has no fitting member, with the reason.
+`given` is the estimate for the config exactly as given. `--verify K` compiles the top K through the
+inspector and prints the estimate beside XLA's memory figure.
 """
 from __future__ import annotations
 

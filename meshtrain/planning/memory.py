@@ -31,9 +31,11 @@ the stack, the experts' grouped-matmul buffers), the logits and their gradient, 
 Exact and approximate. The resident state (params, optimizer state, the batch) is what the step receives: it
 equals memory_analysis()'s argument bytes to a few bytes. The per-layer residuals and a stage's stash are exact
 counts of what jax keeps. XLA's peak is not a sum: it is the size of the heap its buffer assignment packs, and
-buffers live at different times share it imperfectly. The estimate adds every term (grads, the working layer and
-the head are never all live at the forward's end, where a remat-none step peaks); that sum tracks the packed
-heap within 10% on tests/test_memory_grid.py's grid, but neither bounds it: read it as an estimate.
+buffers live at different times share it imperfectly. For XLA:CPU the estimate adds every term (grads, the working
+layer and the head are never all live at the forward's end, where a remat-none step peaks); that sum tracks the
+packed heap within 10% on tests/test_memory_grid.py's grid. XLA:GPU packs tighter, and `estimate(backend="gpu")`
+says where (tests/test_memory_gpu_peaks.py: measured peaks within 10%). Neither bounds the heap: read it as an
+estimate.
 """
 from __future__ import annotations
 
