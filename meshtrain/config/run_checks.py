@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from meshtrain.config.schema import (
-    CHECKPOINT_POINTS, MATMUL_SITES, REMAT_FIXED, TRACKERS, Config, fp8_exclude_patterns, profile_range,
+    CHECKPOINT_POINTS, MATMUL_SITES, REMAT_FIXED, TRACKERS, Config, fp8_exclude_patterns, profile_range, remat_parts,
     tracker_names,
 )
 from meshtrain.config.text_sources import text_source_problems
@@ -51,16 +51,17 @@ def failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
 def train_problems(cfg: Config) -> list[str]:
     """The optimizer step and its schedule: ZeRO stage, recomputation, learning rate, clipping."""
     t = cfg.train
-    parts = t.remat.split("+")
+    parts = remat_parts(t.remat)
     checks = [(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: must be 0, 1, 2 or 3")]
-    checks += [(part in REMAT_FIXED or (part.startswith("names:") and len(part) > 6),
-                f"train.remat={t.remat!r}: {part!r} must be one of {', '.join(REMAT_FIXED)} or names:<point>,... "
-                f"(points: {', '.join(CHECKPOINT_POINTS)}); policies join with '+'") for part in parts]
-    checks.append((len(parts) == 1 or "none" not in parts,
+    checks += [(name in REMAT_FIXED or (name == "names" and points != ("",)),
+                f"train.remat={t.remat!r}: {spelled!r} must be one of {', '.join(REMAT_FIXED)} or names:<point>,... "
+                f"(points: {', '.join(CHECKPOINT_POINTS)}); policies join with '+'")
+               for (name, points), spelled in zip(parts, t.remat.split("+"))]
+    checks.append((len(parts) == 1 or ("none", ()) not in parts,
                    f"train.remat={t.remat!r}: 'none' keeps everything already; join only recomputing policies"))
     checks += [(p in CHECKPOINT_POINTS, f"train.remat={t.remat!r}: unknown point {p!r}; known: "
                                         f"{', '.join(CHECKPOINT_POINTS)}")
-               for part in parts if part.startswith("names:") for p in part[6:].split(",")]
+               for name, points in parts if name == "names" and points != ("",) for p in points]
     checks += [
         (t.schedule_steps == 0 or t.schedule_steps >= t.steps,
          f"train.schedule_steps={t.schedule_steps}: must be >= train.steps={t.steps} (or 0 for the same)"),

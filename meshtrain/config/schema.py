@@ -20,6 +20,13 @@ MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out", "moe_in", "moe_hidden", "moe_out")
 # train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS, or several joined by '+' (model/remat.py).
 REMAT_FIXED = ("none", "full", "save_dots", "save_dots_attn", "save_attn")
+
+
+def remat_parts(policy: str) -> list[tuple[str, tuple[str, ...]]]:
+    """train.remat taken apart, once for all its readers (validation, model/remat.py, the memory and time
+    estimates): each '+'-joined part as (a policy of REMAT_FIXED, ()) or ("names", the points of names:a,b)."""
+    return [("names", tuple(part[len("names:"):].split(","))) if part.startswith("names:") else (part, ())
+            for part in policy.split("+")]
 # Every named matmul site: the precision policy maps each to a recipe (meshtrain/precision.py), and
 # precision.fp8_exclude patterns must match some of them. The embedding is a gather and the MoE router
 # runs in fp32 outside the policy, so neither is a site.

@@ -22,7 +22,7 @@ import functools
 
 import jax
 
-from meshtrain.config import CHECKPOINT_POINTS
+from meshtrain.config import CHECKPOINT_POINTS, remat_parts
 from pallas_kernels import FLASH_FORWARD_OUTPUTS
 
 
@@ -44,11 +44,12 @@ def fused_attention_forward(prim, *_, **params) -> bool:
 def remat_policy(name: str):
     """The jax.checkpoint policy for `name`, or None when the block is not rematerialized at all."""
     cp = jax.checkpoint_policies
-    if "+" in name:
-        parts = name.split("+")
-        if "none" in parts:
+    parts = remat_parts(name)
+    if len(parts) > 1:
+        if ("none", ()) in parts:
             raise ValueError(f"train.remat={name!r}: 'none' keeps everything already; join only recomputing policies")
-        return functools.reduce(cp.save_from_both_policies, [remat_policy(p) for p in parts])
+        return functools.reduce(cp.save_from_both_policies, [remat_policy(p) for p in name.split("+")])
+    (policy, points), = parts
     if name == "none":
         return None
     if name == "full":
@@ -59,8 +60,7 @@ def remat_policy(name: str):
         return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, fused_attention_forward)
     if name == "save_attn":
         return cp.save_only_these_names("qkv", "attn_out")
-    if name.startswith("names:"):
-        points = tuple(name[len("names:"):].split(","))
+    if policy == "names":
         unknown = [p for p in points if p not in CHECKPOINT_POINTS]
         if unknown:
             raise ValueError(f"train.remat={name!r}: unknown points {unknown}; known: {CHECKPOINT_POINTS}")

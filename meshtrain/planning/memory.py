@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from meshtrain.config import Config, padded_vocab
+from meshtrain.config import Config, padded_vocab, remat_parts
 from meshtrain.planning.memory_moe import expert_layer_bytes, grouped_matmul_working_bytes
 from meshtrain.planning.memory_pipeline import chunk_layers, in_flight, stage_activation_bytes
 from meshtrain.resolve import Execution
@@ -195,16 +195,18 @@ NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj"
 def residual_counts(remat: str) -> dict:
     """Tensors kept per shape class. A union of policies (p+q) is counted as the sum of its parts, with the
     block input once: a bound where both parts keep the same value."""
-    if "+" in remat:
+    parts = remat_parts(remat)
+    if len(parts) > 1:
         counts = {"D_c": 1}
         for part in remat.split("+"):
             for k, v in residual_counts(part).items():
                 counts[k] = counts.get(k, 0) + v - (k == "D_c")
         return counts
-    if remat in RESIDUALS:
-        return RESIDUALS[remat]
+    (policy, points), = parts
+    if policy in RESIDUALS:
+        return RESIDUALS[policy]
     counts = {"D_c": 1}  # the block input, as for every policy that recomputes
-    for point in remat.split(":", 1)[1].split(","):
+    for point in points:
         for k, v in NAMED_POINTS[point].items():
             counts[k] = counts.get(k, 0) + v
     return counts

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from meshtrain.config import Config
+from meshtrain.config import Config, remat_parts
 
 # Per remat policy: [R, F/tp] rows, [R, D] rows, [N·k, D] outputs, the expert weights, [N, X] fp32 router tensors,
 # and [ep·N, D] tokens as the all-gather exchange delivers them.
@@ -43,9 +43,8 @@ def expert_counts(remat: str) -> dict:
     """EXPERT_RESIDUALS for any policy: a named one, names:<points> (the experts' points), or a union p+q (the sum
     of its parts: a bound where both keep the same buffer)."""
     counts: dict = {}
-    for part in remat.split("+"):
-        entries = ([EXPERT_POINTS.get(p, {}) for p in part[len("names:"):].split(",")] if part.startswith("names:")
-                   else [EXPERT_RESIDUALS.get(part, {})])
+    for policy, points in remat_parts(remat):
+        entries = [EXPERT_POINTS.get(p, {}) for p in points] if policy == "names" else [EXPERT_RESIDUALS.get(policy, {})]
         for entry in entries:
             for k, v in entry.items():
                 counts[k] = counts.get(k, 0) + v

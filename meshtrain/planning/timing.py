@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshtrain.config import Config, padded_vocab
+from meshtrain.config import Config, padded_vocab, remat_parts
 from meshtrain.metrics import flops_per_token
 from meshtrain.planning.memory import DTYPE_BYTES, Layout, param_count, param_tensors
 from meshtrain.planning.memory_pipeline import chunk_layers, program
@@ -183,7 +183,7 @@ def recomputed_fraction(cfg: Config, remat: str) -> float:
     kernel's forward (every matmul output is kept); save_dots_attn only elementwise work (0); save_attn the
     output projection and the FFN's matmuls; a union the least of its parts; `names:` points half the forward
     (a rough middle: which matmuls they spare depends on the points)."""
-    if "+" in remat:
+    if len(remat_parts(remat)) > 1:
         return min(recomputed_fraction(cfg, part) for part in remat.split("+"))
     m = cfg.model
     attention = 2 * cfg.data.seq_len * m.n_heads * m.kv_dim  # the causal attention's forward FLOPs per token
