@@ -118,6 +118,7 @@ def measure(config: str | None, overrides: list[str], n_devices: int, steps: int
     from meshtrain.metrics import active_params, count_params, flops_per_token, memory_in_use, peak_flops
     from meshtrain.step.state import build_setup, init_state, make_batches
     from meshtrain.step.train_step import make_train_step
+    from meshtrain.planning.aot import compile_step
 
     cfg, mesh = validated_mesh(cfg, n_devices)
     setup = build_setup(cfg, mesh)
@@ -126,7 +127,8 @@ def measure(config: str | None, overrides: list[str], n_devices: int, steps: int
     batch = [batches.batch(i) for i in range(2)]  # data off the clock
     n_params = count_params(state.params)  # before the step donates the state
     # A backend without allocator statistics (CPU) gets XLA's figure instead, taken before anything runs.
-    xla_peak = {} if jax.devices()[0].memory_stats() else {"xla_peak_mem_gib": _xla_peak_gib(step, state, batch[0])}
+    xla_peak = ({} if jax.devices()[0].memory_stats() else
+                {"xla_peak_mem_gib": compile_step(cfg, mesh).memory["peak_bytes"] / GIB})  # what `inspect` reads
     run = time_train_steps(step, state, batch, steps, warmup=2)
     # Tokens/s and MFU as the trainer counts them: 6N (active parameters) + attention, over the mesh's devices.
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -136,13 +138,6 @@ def measure(config: str | None, overrides: list[str], n_devices: int, steps: int
                 tokens_per_s=tokens / run.median_s,
                 mfu=flops / run.median_s / mesh.devices.size / peak if peak else None,
                 device=jax.devices()[0].device_kind, jax=jax.__version__, **memory_in_use(), **xla_peak)
-
-
-def _xla_peak_gib(step, state, batch) -> float:
-    """Peak per device of the compiled step, as meshtrain.planning.aot counts it: arguments + outputs -
-    aliased (donated) + temporaries."""
-    m = step.lower(state, batch).compile().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes) / GIB
 
 
 # -- the parent: which layouts, and what the planner predicts for each ---------------------------------

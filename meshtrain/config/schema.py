@@ -27,6 +27,8 @@ def remat_parts(policy: str) -> list[tuple[str, tuple[str, ...]]]:
     estimates): each '+'-joined part as (a policy of REMAT_FIXED, ()) or ("names", the points of names:a,b)."""
     return [("names", tuple(part[len("names:"):].split(","))) if part.startswith("names:") else (part, ())
             for part in policy.split("+")]
+
+
 # Every named matmul site: the precision policy maps each to a recipe (meshtrain/precision.py), and
 # precision.fp8_exclude patterns must match some of them. The embedding is a gather and the MoE router
 # runs in fp32 outside the policy, so neither is a site.

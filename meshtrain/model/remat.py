@@ -50,15 +50,15 @@ def remat_policy(name: str):
             raise ValueError(f"train.remat={name!r}: 'none' keeps everything already; join only recomputing policies")
         return functools.reduce(cp.save_from_both_policies, [remat_policy(p) for p in name.split("+")])
     (policy, points), = parts
-    if name == "none":
+    if policy == "none":
         return None
-    if name == "full":
+    if policy == "full":
         return cp.nothing_saveable
-    if name == "save_dots":
+    if policy == "save_dots":
         return cp.dots_with_no_batch_dims_saveable
-    if name == "save_dots_attn":
+    if policy == "save_dots_attn":
         return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, fused_attention_forward)
-    if name == "save_attn":
+    if policy == "save_attn":
         return cp.save_only_these_names("qkv", "attn_out")
     if policy == "names":
         unknown = [p for p in points if p not in CHECKPOINT_POINTS]

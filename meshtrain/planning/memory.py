@@ -79,8 +79,13 @@ class Layout:
                  f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
                 + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
                    if self.degrees["pp"] > 1 else [])
-                # Inside a pipeline stage the ring runs on two ranks only (config validation): gather K/V instead.
-                + (["parallel.cp_impl=allgather"] if self.degrees["pp"] > 1 and self.degrees["cp"] > 2 else []))
+                + (["parallel.cp_impl=allgather"] if self.gathers_kv_in_stages else []))
+
+    @property
+    def gathers_kv_in_stages(self) -> bool:
+        """Inside a pipeline stage the ring runs on two ranks only (config validation): the planner gathers K/V
+        there instead."""
+        return self.degrees["pp"] > 1 and self.degrees["cp"] > 2
 
     def label(self) -> str:
         mesh = " ".join(f"{a}{n}" for a, n in self.degrees.items() if n > 1) or "1 device"
@@ -136,7 +141,7 @@ def param_count(cfg: Config, tp: int = 1) -> int:
     return sum(t.elems for t in param_tensors(cfg, tp))
 
 
-def _sharded_elems(tensors: list[Tensor], lay: Layout, over_fsdp: bool) -> float:
+def sharded_elems(tensors: list[Tensor], lay: Layout, over_fsdp: bool) -> float:
     g = lay.degrees
     total = 0.0
     for t in tensors:
@@ -318,8 +323,8 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     fp8_value_bytes = 4 if backend == "cpu" else 1
     g, m = lay.degrees, cfg.model
     tensors = param_tensors(cfg, g["tp"], g["ep"])
-    p_res = _sharded_elems(tensors, lay, lay.zero_stage >= 3)
-    p_grad = _sharded_elems(tensors, lay, lay.zero_stage >= 2)
+    p_res = sharded_elems(tensors, lay, lay.zero_stage >= 3)
+    p_grad = sharded_elems(tensors, lay, lay.zero_stage >= 2)
     layer_weights = 4 * sum(t.elems / (t.tp * t.ep) for t in tensors if t.layer) / m.n_layers
 
     params = 4 * p_res
@@ -331,7 +336,7 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     if g["pp"] > 1:  # the copy of the stage's layer weights its ops read (memory_pipeline): cast to the compute
         # dtype once a step (ops.chunk_weights), except fp8 sites, which quantize from the fp32 master per op
         copy = 4 if cfg.precision.matmul.startswith("fp8") else DTYPE_BYTES[cfg.precision.compute]
-        params += copy * _sharded_elems([t for t in tensors if t.layer], lay, lay.zero_stage >= 3)
+        params += copy * sharded_elems([t for t in tensors if t.layer], lay, lay.zero_stage >= 3)
     # Gradients of the whole stack live at once (the scan's stacked output); a second copy when the
     # microbatch loop accumulates them.
     grads = 4 * p_grad * (2 if lay.grad_accum > 1 and not (backend == "gpu" and g["pp"] > 1) else 1)
@@ -379,11 +384,11 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
 def optimizer_state_bytes(cfg: Config, tensors: list[Tensor], lay: Layout) -> float:
     """The optimizer's state on one device (train.optimizer); the update is computed in place of the donated state."""
     mu = DTYPE_BYTES[cfg.train.adam_mu_dtype]  # the first moment: fp32, or bf16 with train.adam_mu_dtype
-    p_opt = _sharded_elems(tensors, lay, lay.zero_stage >= 1)
+    p_opt = sharded_elems(tensors, lay, lay.zero_stage >= 1)
     if cfg.train.optimizer == "lion":  # the momentum alone
         return mu * p_opt
     if cfg.train.optimizer == "adafactor":  # a row and a column per matrix: negligible against the parameters
         return 0.0
     if cfg.train.optimizer == "muon":  # a momentum everywhere, Adam's fp32 second moment outside the blocks
-        return mu * p_opt + 4 * _sharded_elems([t for t in tensors if not t.layer], lay, lay.zero_stage >= 1)
+        return mu * p_opt + 4 * sharded_elems([t for t in tensors if not t.layer], lay, lay.zero_stage >= 1)
     return (mu + 4) * p_opt  # AdamW: m and an fp32 v

@@ -11,8 +11,9 @@ The executor runs the schedule as a scan over ticks. Its carry holds, per stage:
 
 XLA:CPU's buffer assignment holds every stash leaf twice: once in the carry, once as the result of the switch
 that fills its slot (the peak's live buffers list each stash leaf as a `copy` beside a `cond{i}` of the same
-size), so there the stash counts twice; XLA:GPU's holds it once (the 1.36B config at pp=2: 17.4 GiB measured). The last chunk's B runs that chunk's forward too (head and loss included), so the stage
-also holds one chunk's residuals while it runs.
+size), so there the stash counts twice; XLA:GPU's holds it once (the 1.36B config at pp=2: 17.4 GiB measured).
+The last chunk's B runs that chunk's forward too (head and loss included), so the stage also holds one chunk's
+residuals while it runs.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from meshtrain.config import Config, padded_vocab, remat_parts
 from meshtrain.metrics import flops_per_token
-from meshtrain.planning.memory import DTYPE_BYTES, Layout, param_count, param_tensors
+from meshtrain.planning.memory import DTYPE_BYTES, Layout, moe_layers, param_count, param_tensors, sharded_elems
 from meshtrain.planning.memory_pipeline import chunk_layers, program
 from meshtrain.step.pipeline.layout import stage_order
 from meshtrain.step.pipeline.ticks import B, LAST, executor_op_units
@@ -105,8 +105,8 @@ def comm_bytes(cfg: Config, lay: Layout) -> dict[str, float]:
     if g["pp"] > 1:
         out["pp"] = 2 * tokens * m.d_model * c
         # The blocks that change stage: weights there in the compute dtype, their fp32 gradients back.
-        layer_params = p_local * (1 - (2 - m.tie_embeddings) * padded_vocab(m, 1) * m.d_model / param_count(cfg))
-        out["pp"] += moved_block_fraction(lay) * layer_params * (c + 4) / (g["fsdp"] if lay.zero_stage >= 3 else 1)
+        stage_layers = [t for t in param_tensors(cfg, g["tp"], g["ep"]) if t.layer]
+        out["pp"] += moved_block_fraction(lay) * sharded_elems(stage_layers, lay, lay.zero_stage >= 3) * (c + 4)
     return out
 
 
@@ -125,12 +125,12 @@ def collective_counts(cfg: Config, lay: Layout) -> dict[str, float]:
     if g["sp"] > 1:
         out["sp"] = 8 * layers * micro
     if g["cp"] > 1:
-        ring = cfg.parallel.cp_impl != "allgather" and not (g["pp"] > 1 and g["cp"] > 2)
+        ring = cfg.parallel.cp_impl != "allgather" and not lay.gathers_kv_in_stages
         out["cp"] = (3 * (g["cp"] - 1) if ring else 3) * layers * micro
     if g["fsdp"] > 1:
         out["fsdp"] = (3 if lay.zero_stage >= 3 else 2) * layers * micro
     if g["ep"] > 1:
-        out["ep"] = 4 * sum(cfg.moe.is_moe_layer(i) for i in range(m.n_layers)) / g["pp"] * micro
+        out["ep"] = 4 * moe_layers(cfg) / g["pp"] * micro
     if g["dp"] > 1:
         out["dp"] = layers
     if g["pp"] > 1:
@@ -230,11 +230,9 @@ def memory_passes_bytes(cfg: Config, lay: Layout) -> float:
     moment's dtype)."""
     g = lay.degrees
     tensors = param_tensors(cfg, g["tp"], g["ep"])
-    local = sum(t.elems / (t.tp * t.ep) / (g["pp"] if t.layer else 1) for t in tensors)
-    fsdp = g["fsdp"]
     c, mu = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.train.adam_mu_dtype]
-    cast = (4 + c) * local / (fsdp if lay.zero_stage >= 3 else 1)
-    accumulate = 12 * local / (fsdp if lay.zero_stage >= 2 else 1) if lay.grad_accum > 1 else 0.0
-    optimizer = (20 + 2 * mu) * local / (fsdp if lay.zero_stage >= 1 else 1)
+    cast = (4 + c) * sharded_elems(tensors, lay, lay.zero_stage >= 3)
+    accumulate = 12 * sharded_elems(tensors, lay, lay.zero_stage >= 2) if lay.grad_accum > 1 else 0.0
+    optimizer = (20 + 2 * mu) * sharded_elems(tensors, lay, lay.zero_stage >= 1)
     casts = 1 if g["pp"] > 1 else lay.grad_accum  # a pipeline stage casts its chunks once a step (ops.chunk_weights)
     return casts * cast + lay.grad_accum * accumulate + optimizer

@@ -71,10 +71,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import fp8
-from meshtrain.precision import cast_sites
 from meshtrain.data import Batch
 from meshtrain.model.layers import FP8_META
 from meshtrain.model.transformer import stacked_layers, unrolled_layers
+from meshtrain.precision import cast_sites
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
