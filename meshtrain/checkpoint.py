@@ -16,6 +16,9 @@ What a committed step guarantees:
 The state is stored as a plain nested dict of arrays (flax `to_state_dict`), so the checkpoint format
 does not depend on Python class names. Restore reads each array straight into the shardings of the
 current mesh, which may differ from the mesh that saved it (the digests do not depend on the sharding).
+The layer stack is written in the order the run keeps it (the pipeline stages' order under interleaved and
+dualpipe_v, step/pipeline/layout.py), recorded beside the digests; a restore verifies what it read, then puts
+the stack in the order its reader asks for (a step without the record is in the model's order).
 """
 from __future__ import annotations
 
@@ -30,9 +33,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from meshtrain.step.pipeline.layout import LAYERS, reorder_arrays
 from meshtrain.step.state import TrainState
 
 DIGESTS = "meshtrain_digests"  # the custom-metadata key of {array path: digest}
+LAYERS_ORDER = "meshtrain_layers_order"  # the model block at each stored position of the layer stack
+MODEL_ORDER = np.arange(1)
 
 
 class CheckpointError(RuntimeError):
@@ -102,12 +108,14 @@ class Checkpointer:
 
     # -- save
 
-    def save(self, step: int, state: TrainState, config: dict[str, Any]) -> None:
-        """Start saving `state` as `step`; returns once the device arrays are copied (async write).
-        A failure, this one's or an earlier async write's, raises CheckpointError."""
+    def save(self, step: int, state: TrainState, config: dict[str, Any], layers_order: np.ndarray = MODEL_ORDER
+             ) -> None:
+        """Start saving `state`, its layer stack in `layers_order` (`Setup.layers_order`), as `step`; returns once
+        the device arrays are copied (async write). A failure, this one's or an earlier async write's, raises
+        CheckpointError."""
         self.check()
         tree = serialization.to_state_dict(state)
-        metadata = {DIGESTS: digests(tree)}
+        metadata = {DIGESTS: digests(tree), LAYERS_ORDER: [int(b) for b in layers_order]}
 
         def write() -> None:
             self.manager.save(step, args=ocp.args.Composite(
@@ -147,8 +155,22 @@ class Checkpointer:
 
     # -- restore
 
+    def layers_order(self, step: int) -> np.ndarray:
+        """The order `step` holds its layer stack in (module docstring)."""
+        return np.asarray((self.manager.metadata(step).custom_metadata or {}).get(LAYERS_ORDER, MODEL_ORDER))
+
+    def in_order(self, step: int, tree: Any, layers_order: np.ndarray) -> Any:
+        """A verified read of `step` (a state dict, or a tree holding `params`) with its layer stack moved from the
+        step's order to `layers_order`."""
+        params = tree["params"]
+        if LAYERS not in params:
+            return tree
+        rows = jax.tree.leaves(params[LAYERS])[0].shape[0]
+        return reorder_arrays(tree, self.layers_order(step), np.asarray(layers_order), rows)
+
     def restore(self, step: int, abstract_state: TrainState) -> TrainState:
-        """Read `step` into the shapes, dtypes and shardings of `abstract_state` (any mesh), unverified."""
+        """Read `step` into the shapes, dtypes and shardings of `abstract_state` (any mesh), unverified, the layer
+        stack in the order it was written in."""
         target = serialization.to_state_dict(abstract_state)
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return serialization.from_state_dict(abstract_state, restored["state"])
@@ -173,10 +195,10 @@ class Checkpointer:
         if bad:
             raise ValueError(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
 
-    def restore_verified(self, abstract_state: TrainState, check_config: Callable[[dict, int], None]
-                         ) -> tuple[TrainState, int, dict] | None:
-        """The newest step that reads back and verifies, as (state, step, its saved config); None when the
-        directory holds no step. `check_config(saved_config, step)` may raise ConfigError (a checkpoint of
+    def restore_verified(self, abstract_state: TrainState, check_config: Callable[[dict, int], None],
+                         layers_order: np.ndarray = MODEL_ORDER) -> tuple[TrainState, int, dict] | None:
+        """The newest step that reads back and verifies, as (state, its layer stack in `layers_order`, step, its
+        saved config); None when the directory holds no step. `check_config(saved_config, step)` may raise ConfigError (a checkpoint of
         another model is the user's mistake, not damage: no fallback). Steps that failed are set aside
         once one verifies; when none does, CheckpointError names the directory and nothing is renamed."""
         steps = self.all_steps()[::-1]
@@ -204,6 +226,8 @@ class Checkpointer:
                 failed.append(self._say_failed(step, why, steps[i + 1:]))
                 continue
             self._set_aside(failed)
+            state = serialization.from_state_dict(state, self.in_order(step, serialization.to_state_dict(state),
+                                                                       layers_order))
             return state, step, saved
         if steps:
             raise CheckpointError(f"no checkpoint in {self.directory} reads back intact (steps {sorted(steps)} all "
@@ -242,9 +266,10 @@ class Checkpointer:
             state=ocp.args.PyTreeRestore(target, restore_args=args, partial_restore=True)))
         return restored["state"]["params"]
 
-    def restore_params_verified(self, step: int, abstract_params: Any, *, fall_back: bool) -> tuple[Any, int]:
+    def restore_params_verified(self, step: int, abstract_params: Any, *, fall_back: bool,
+                                layers_order: np.ndarray = MODEL_ORDER) -> tuple[Any, int]:
         """(params, the step they are from): `step`'s parameters, verified against the digests written
-        with them. With `fall_back` (the newest step was asked for, not a given one) a step that does not
+        with them, the layer stack in `layers_order` (by default the model's, as readers run it). With `fall_back` (the newest step was asked for, not a given one) a step that does not
         read back intact is passed over for the next older one, with a line saying so; nothing is renamed
         (a reader leaves the run directory as it found it). CheckpointError when no candidate verifies."""
         candidates = [s for s in self.all_steps()[::-1] if s <= step] if fall_back else [step]
@@ -252,7 +277,7 @@ class Checkpointer:
             try:
                 params = self.restore_params(candidate, abstract_params)
                 self._verify_digests(candidate, {"params": serialization.to_state_dict(params)})
-                return params, candidate
+                return self.in_order(candidate, {"params": params}, layers_order)["params"], candidate
             except Exception as e:  # noqa: BLE001
                 _quiet_abandoned_reads()
                 self._say_failed(candidate, reason(e), candidates[i + 1:])

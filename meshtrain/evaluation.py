@@ -21,10 +21,12 @@ from meshtrain.step.state import Setup
 
 
 def make_eval_step(setup: Setup) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
-    """(params, Batch [A, m, T]) -> (loss summed over labelled tokens, their count), jitted."""
+    """(params, the layer stack in the state's order; Batch [A, m, T]) -> (loss summed over labelled tokens, their
+    count), jitted."""
     loss_sum = loss_sum_fn(setup.model)
 
     def step(params, batch: Batch):
+        params = setup.to_model_order(params)  # the model runs its layers by depth (step/pipeline/layout.py)
         def body(acc, mb):
             _, n, logged = loss_sum(params, mb)  # the cross-entropy, not the objective with MoE's aux losses
             return (acc[0] + logged["loss"], acc[1] + n), None

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.checkpoint import Checkpointer
-from meshtrain.config import Config, ConfigError, build_config, padded_vocab, validate, with_mesh
+from meshtrain.config import Config, ConfigError, PipelineConfig, build_config, padded_vocab, validate, with_mesh
 from meshtrain.hf.config import HF_PREFIX, hf_dir
 from meshtrain.mesh import build_mesh
 from meshtrain.precision import Precision
@@ -100,8 +100,11 @@ def with_vocab_rows(setup: Setup, rows: int) -> Setup:
 
 
 def _setup(cfg: Config) -> Setup:
-    # Inference runs one sequence axis per device group: Megatron SP would split 1-token steps over tp.
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False))
+    # Inference runs one sequence axis per device group: Megatron SP would split 1-token steps over tp. It runs
+    # no pipeline schedule either, and its parameters keep the layer stack in the model's order (the checkpoint
+    # reader's default), which is the Setup's own only without interleaved / dualpipe_v chunks.
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=False),
+                              pipeline=PipelineConfig())
     degrees = validate(cfg, jax.device_count())
     cfg = with_mesh(cfg, degrees)
     return build_setup(cfg, build_mesh(degrees))

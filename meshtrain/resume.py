@@ -30,7 +30,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
         return init_state(setup), None
     shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
     found = ckpt.restore_verified(abstract_state(setup.state_shardings, shapes),
-                                  lambda saved, step: check_compatible(setup.cfg, saved, ckpt.directory, step))
+                                  lambda saved, step: check_compatible(setup.cfg, saved, ckpt.directory, step),
+                                  setup.layers_order)
     if found is None:  # only damaged-and-set-aside or no steps: cannot happen after latest_step, but be plain
         return init_state(setup), None
     state, step, _ = found

@@ -169,7 +169,7 @@ class _Loop:
                 self.log.write(f"meshtrain: step {done} not saved: {self.nonfinite_run} non-finite step(s) in a row; "
                                f"the newest checkpoint stays the last finite one")
                 return
-            self.paused(self.ckpt.save, done, self.state, self.setup.cfg.to_dict())
+            self.paused(self.ckpt.save, done, self.state, self.setup.cfg.to_dict(), self.setup.layers_order)
 
     def maybe_evaluate(self, done: int) -> None:
         every = self.setup.cfg.eval.every
@@ -188,7 +188,7 @@ class _Loop:
             return
         result.stopped_by_signal = signum
         if self.ckpt and result.final_step not in self.ckpt.all_steps() and not self.nonfinite_run:
-            self.ckpt.save(result.final_step, self.state, self.setup.cfg.to_dict())
+            self.ckpt.save(result.final_step, self.state, self.setup.cfg.to_dict(), self.setup.layers_order)
         result.saved_on_stop = self.ckpt is not None and not self.nonfinite_run
         name = signal.Signals(signum).name
         if self.ckpt and self.nonfinite_run:

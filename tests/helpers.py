@@ -68,13 +68,25 @@ def assert_grads_close(got: dict, want: dict) -> None:
         np.testing.assert_allclose(flat_got[name], w, rtol=1e-5, atol=1e-5 * scale, err_msg=name)
 
 
+def model_order_grad_fn(setup: Setup):
+    """make_grad_fn(setup), jitted, taking and giving the layer stacks in the model's order: the state keeps them in
+    `setup.layers_order` (the pipeline stages' under interleaved and dualpipe_v), a one-device reference in the
+    model's, and the comparison must not depend on it."""
+    grad_fn = make_grad_fn(setup)
+
+    def in_model_order(params, batch, scale=1.0, model_state=None):
+        out = grad_fn(setup.to_stored_order(params), batch, scale, setup.to_stored_order(model_state or {}))
+        return out._replace(grads=setup.to_model_order(out.grads), model_state=setup.to_model_order(out.model_state))
+
+    return jax.jit(in_model_order)
+
+
 def first_gradients(setup: Setup) -> dict:
-    """Mean-over-tokens gradient at the initial parameters, on the first batch, as numpy."""
+    """Mean-over-tokens gradient at the initial parameters, on the first batch, as numpy, in the model's order."""
     batches = make_batches(setup)
     state = init_state(setup)
-    grad_fn = jax.jit(make_grad_fn(setup))
-    grads, _, n, _, _ = grad_fn(state.params, batches.batch(0), 1.0, state.model_state)
-    return jax.tree.map(lambda g: np.asarray(g) / float(n), grads)
+    grads, _, n, _, _ = jax.jit(make_grad_fn(setup))(state.params, batches.batch(0), 1.0, state.model_state)
+    return jax.tree.map(lambda g: np.asarray(g) / float(n), jax.jit(setup.to_model_order)(grads))
 
 
 # ------------------------------------------------------------------------------- subprocess runs

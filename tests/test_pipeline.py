@@ -16,8 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_grads_close, make_setup, single_device, tiny_config
+from helpers import assert_grads_close, make_setup, model_order_grad_fn, single_device, tiny_config
 from meshtrain.checkpoint import Checkpointer, abstract_state
+from meshtrain.evaluation import make_eval_step
+from meshtrain.step.pipeline.layout import permutation, stage_order
 from meshtrain.step.pipeline.ticks import tick_tables
 from meshtrain.step.pipeline.schedules import make_schedule
 from meshtrain.resume import restore_or_init
@@ -112,7 +114,7 @@ def first_step_reference(reference: dict, n_layers: int) -> dict:
 
 def save(directory, state, setup) -> None:
     ckpt = Checkpointer(str(directory), keep=2, async_save=False)
-    ckpt.save(int(state.step), state, setup.cfg.to_dict())
+    ckpt.save(int(state.step), state, setup.cfg.to_dict(), setup.layers_order)
     ckpt.wait()
     ckpt.close()
 
@@ -139,7 +141,7 @@ def check_case(case: str, reference: dict) -> None:
         model = [f"model.n_layers={FIRST_STEP_ONLY[case]}"]
     setup = make_setup(tiny_config(*SMALL, *model, *CASES[case]), 8)
     assert setup.mesh.shape["pp"] in (2, 4)
-    grad_fn = jax.jit(make_grad_fn(setup))
+    grad_fn = model_order_grad_fn(setup)
     batches = make_batches(setup)
     losses = []
     points = reference["params"]
@@ -197,6 +199,74 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1(pipelined_run, reference):
 
 def test_checkpoint_saved_at_pp1_resumes_at_pp2(pipelined_run, reference):
     np.testing.assert_allclose(resume_losses(pipelined_run, reference["ckpt"]), reference["losses"][2:], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the stages' order in the state
+
+
+def in_order(tree, order: np.ndarray):
+    """numpy: every `layers` leaf of a params-like tree with its p·v blocks in `order` (the model block at each
+    position)."""
+    return {k: jax.tree.map(lambda a: a.reshape(len(order), -1, *a.shape[1:])[order].reshape(a.shape), v)
+            if k == "layers" else v for k, v in tree.items()}
+
+
+def restored(setup, ckpt_dir):
+    ckpt = Checkpointer(str(ckpt_dir), keep=2, async_save=False)
+    state, step = restore_or_init(setup, ckpt)
+    ckpt.close()
+    assert step == 2
+    return state
+
+
+def test_permutation_between_orders():
+    interleaved = stage_order("interleaved", 2, 2)
+    assert list(interleaved) == [0, 2, 1, 3]
+    assert list(permutation(np.arange(1), interleaved)) == [0, 2, 1, 3]
+    assert list(permutation(interleaved, np.arange(1))) == [0, 2, 1, 3]  # its own inverse
+    # dualpipe_v at pp=4 (8 blocks) from interleaved at pp=2 (4 blocks): through the model's order, 8 blocks
+    dual = stage_order("dualpipe_v", 4, 2)
+    assert list(dual) == [0, 7, 1, 6, 2, 5, 3, 4]
+    perm = permutation(interleaved, dual)
+    halves = np.array([[2 * b, 2 * b + 1] for b in interleaved]).reshape(-1)  # the model block at each position
+    assert list(halves[perm]) == list(dual)
+
+
+def test_interleaved_state_keeps_the_stages_order_and_moves_between_orders(reference, tmp_path):
+    """Initialized at interleaved pp=2, and a one-device checkpoint restored there, the state holds each stage's
+    chunks on it (the parameters and the
+    optimizer's moments); saved from there (with its order) and restored at pp=1 it is the one-device state bit for
+    bit; restored at dualpipe_v pp=4 its stack is in that schedule's order; the eval loss is the one device's."""
+    want = jax.device_get(restored(reference["setup"], reference["ckpt"]))
+    setup = make_setup(tiny_config(*SMALL, *CASES["interleaved-v2-pp2-fsdp4-zero2"]), 8)
+    assert list(setup.layers_order) == [0, 2, 1, 3]
+    init = jax.device_get(init_state(setup).params)  # drawn as on one device, then put in the stages' order
+    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(in_order(reference["params"][0], setup.layers_order))):
+        np.testing.assert_array_equal(a, b)
+    state = restored(setup, reference["ckpt"])
+    got = jax.device_get(state)
+    order = setup.layers_order
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(in_order(want.params, order))):
+        np.testing.assert_array_equal(a, b)
+    mu = [x for x in jax.tree.leaves(got.opt_state) if getattr(x, "ndim", 0) >= 1 and x.shape[0] == 8]
+    mu_want = [x for x in jax.tree.leaves(want.opt_state) if getattr(x, "ndim", 0) >= 1 and x.shape[0] == 8]
+    assert mu and all(np.array_equal(a, b.reshape(4, 2, *b.shape[1:])[order].reshape(b.shape))
+                      for a, b in zip(mu, mu_want))
+    assert not np.array_equal(mu[0], mu_want[0]), "the moments must move with their layers"
+
+    batch = make_batches(reference["setup"], "eval").batch(0)
+    one = make_eval_step(reference["setup"])(reference["params"][2], batch)
+    staged = make_eval_step(setup)(state.params, make_batches(setup, "eval").batch(0))
+    np.testing.assert_allclose([float(x) for x in staged], [float(x) for x in one], rtol=1e-5)
+
+    save(tmp_path / "pp2", state, setup)
+    back = jax.device_get(restored(reference["setup"], tmp_path / "pp2"))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    dual = make_setup(tiny_config(*SMALL, *CASES["dualpipe_v-pp4-tp2"]), 8)
+    params = jax.device_get(restored(dual, tmp_path / "pp2").params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(in_order(want.params, dual.layers_order))):
+        np.testing.assert_array_equal(a, b)
 
 
 # --------------------------------------------------------------------------- memory

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import flatten, make_setup, single_device, tiny_config
+from helpers import flatten, make_setup, model_order_grad_fn, single_device, tiny_config
 from meshtrain.step.accumulate import make_grad_fn
 from meshtrain.step.state import init_state, make_batches
 from meshtrain.step.train_step import make_train_step
@@ -57,7 +57,7 @@ def test_fp8_delayed_in_the_stages_matches_one_device(case, reference):
     setup = make_setup(tiny_config(*SMALL, *CASES[case]), 8)
     params = jax.device_put(reference["params"], setup.state_shardings.params)
     model_state = jax.device_put(reference["model_state"], setup.state_shardings.model_state)
-    grads, loss_sum, n, next_state, _ = jax.jit(make_grad_fn(setup))(params, make_batches(setup).batch(WARM_STEPS),
+    grads, loss_sum, n, next_state, _ = model_order_grad_fn(setup)(params, make_batches(setup).batch(WARM_STEPS),
                                                                      1.0, model_state)
     np.testing.assert_allclose(float(loss_sum / n), reference["loss"], rtol=1e-2)
     got, want = flatten(host(grads)), flatten(reference["grads"])

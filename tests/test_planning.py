@@ -22,7 +22,7 @@ from meshtrain.launch import validated_mesh
 from meshtrain.planning import collectives as col
 from meshtrain.planning import guard, hlo
 from meshtrain.planning.aot import compile_step
-from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes, param_count, param_tensors
+from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes, param_count
 from meshtrain.planning.playbook import playbook_state_bytes
 
 # Big enough that activations and state dominate the compiler's own scratch, small enough to compile
@@ -384,7 +384,7 @@ def test_pipeline_time_is_the_executor_program_with_the_head():
     """The bubble is timed on the program the executor runs, its ops priced in chunk forwards and the last
     chunk's backward carrying the head: without a head it is the executor's op makespan over the ideal, the head
     lengthens it, and the ratio of two schedules comes out as measured on 2x H100 (llama1b, seq 2048, pp=2,
-    8 microbatches, docs/PERFORMANCE.md 2026-11-27: zb_h1 252.6 ms against 1f1b 208.9, 1.21)."""
+    8 microbatches, docs/PERFORMANCE.md 2026-11-27: zb_h1 in three lanes 209.2 ms against 1f1b 209.4)."""
     from meshtrain.planning.memory_pipeline import program
     from meshtrain.planning.timing import _span, pipeline_span
 
@@ -394,21 +394,21 @@ def test_pipeline_time_is_the_executor_program_with_the_head():
     assert _span("1f1b", 2, 8, 1, 0.5) > _span("1f1b", 2, 8, 1, 0.0)
     cfg = build_config({}, ["model.preset=llama1b", "data.seq_len=2048", "train.global_batch=8"])
     lay = Layout(dict(pp=2, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), grad_accum=8, micro_batch=1)
+    # zb_h1 against 1F1B, measured on 2x H100 (docs/PERFORMANCE.md, 2026-11-27): 209.2 / 209.4 ms in three lanes;
+    # one op per tick it was 251.4 ms in the same call
     ratio = pipeline_span(cfg, replace(lay, schedule="zb_h1")) / pipeline_span(cfg, lay)
-    assert ratio == pytest.approx(252.6 / 208.9, rel=0.05)
+    assert ratio == pytest.approx(209.2 / 209.4, rel=0.05)
 
 
-def test_interleaved_moves_the_blocks_that_change_stage():
-    from meshtrain.planning.timing import comm_bytes, moved_block_fraction
+def test_interleaved_moves_no_blocks():
+    """The state keeps interleaved's and dualpipe_v's chunks on the stages that run them: a step sends the stages'
+    messages only, as 1F1B's does."""
+    from meshtrain.planning.timing import comm_bytes
 
     lay = Layout(dict(pp=2, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1), grad_accum=8, micro_batch=8)
-    assert moved_block_fraction(lay) == 0
-    assert moved_block_fraction(replace(lay, schedule="interleaved", virtual_stages=2)) == 0.5
-    assert moved_block_fraction(replace(lay, schedule="dualpipe_v", virtual_stages=2)) == 0.5
     cfg = build_config({}, ["model.preset=llama1b", "data.seq_len=2048", "train.global_batch=8"])
-    extra = (comm_bytes(cfg, replace(lay, schedule="interleaved", virtual_stages=2))["pp"] - comm_bytes(cfg, lay)["pp"])
-    layer_params = sum(t.elems for t in param_tensors(cfg, 1) if t.layer)
-    assert extra == pytest.approx(layer_params / 2 * 0.5 * (2 + 4), rel=0.02)  # a stage's half, bf16 there, fp32 back
+    for kind in ("interleaved", "dualpipe_v"):
+        assert comm_bytes(cfg, replace(lay, schedule=kind, virtual_stages=2))["pp"] == comm_bytes(cfg, lay)["pp"] > 0
 
 
 def test_plan_lists_pipelines_for_llama3_70b_on_64_gpus(capsys):

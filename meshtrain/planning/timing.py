@@ -41,7 +41,6 @@ from meshtrain.config import Config, padded_vocab, remat_parts
 from meshtrain.metrics import flops_per_token
 from meshtrain.planning.memory import DTYPE_BYTES, Layout, moe_layers, param_count, param_tensors, sharded_elems
 from meshtrain.planning.memory_pipeline import chunk_layers, program
-from meshtrain.step.pipeline.layout import stage_order
 from meshtrain.step.pipeline.ticks import B, LAST, executor_op_units
 
 
@@ -102,11 +101,8 @@ def comm_bytes(cfg: Config, lay: Layout) -> dict[str, float]:
     if g["cp"] > 1:  # K and V blocks around the ring, forward; twice that backward (dK, dV)
         kv = 2 * m.n_kv_heads * m.kv_dim / g["tp"]
         out["cp"] = 3 * (g["cp"] - 1) * tokens * kv * c * layers
-    if g["pp"] > 1:
+    if g["pp"] > 1:  # the stages' messages; the state keeps every stage's chunks on it (step/pipeline/layout.py)
         out["pp"] = 2 * tokens * m.d_model * c
-        # The blocks that change stage: weights there in the compute dtype, their fp32 gradients back.
-        stage_layers = [t for t in param_tensors(cfg, g["tp"], g["ep"]) if t.layer]
-        out["pp"] += moved_block_fraction(lay) * sharded_elems(stage_layers, lay, lay.zero_stage >= 3) * (c + 4)
     return out
 
 
@@ -165,16 +161,6 @@ def _span(kind: str, p: int, m: int, v: int, h: float) -> float:
                          (h if op == B and pos == LAST else 0.0), otypes=[float])(ticks.kind, ticks.position)
     span = units.sum(axis=2).max(axis=1).sum()
     return float(span / ((p * m * v * 3 + m * h) / p))
-
-
-def moved_block_fraction(lay: Layout) -> float:
-    """Of a stage's layer blocks, the fraction the schedule runs on another stage than the one storing it
-    (step/pipeline/layout.py: exchanged there each step and their gradients back)."""
-    p, v = lay.degrees["pp"], lay.virtual_stages
-    if v == 1 and lay.schedule != "dualpipe_v":
-        return 0.0
-    order = stage_order(lay.schedule, p, v)
-    return float(np.mean([order[i] // v != i // v for i in range(p * v)]))
 
 
 def recomputed_fraction(cfg: Config, remat: str) -> float:

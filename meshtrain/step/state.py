@@ -12,6 +12,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
@@ -23,6 +24,7 @@ from meshtrain.precision import Precision
 from meshtrain.resolve import Execution, resolve_for_mesh
 from meshtrain.step.opt_shardings import opt_state_shardings
 from meshtrain.step.optim import make_optimizer
+from meshtrain.step.pipeline.layout import reorder, stored_order
 from meshtrain.sharding import ZeroLayout, make_rules, replicated
 
 BATCH = (None, "batch", None)  # every Batch field [A microbatches, B/A sequences, T]
@@ -65,6 +67,29 @@ class Setup:
     def batch_shape(self) -> tuple[int, int, int]:
         """Shape of every Batch field: [A microbatches, B/A sequences, T]."""
         return self.cfg.train.grad_accum, self.micro_batch, self.cfg.data.seq_len
+
+    @property
+    def layers_order(self) -> np.ndarray:
+        """The order the state keeps the layer stack in: the model's, or the pipeline stages' (the model block at each
+        of p·v stored positions; step/pipeline/layout.py)."""
+        pc = self.cfg.pipeline
+        return stored_order(pc.schedule, self.mesh.shape["pp"], pc.virtual_stages)
+
+    @property
+    def stack_rows(self) -> int:
+        """The stacked layer leaves' leading rows: the layers, or with MoE layers every few, the groups."""
+        return self.cfg.model.n_layers // self.model.every
+
+    def to_stored_order(self, tree: Any) -> Any:
+        """Inside a jit: a params-like tree (params, model state, gradients) from the model's order to the state's."""
+        return reorder(tree, np.arange(1), self.layers_order, self.stack_rows, self._pp_mesh())
+
+    def to_model_order(self, tree: Any) -> Any:
+        """Inside a jit: the inverse of to_stored_order."""
+        return reorder(tree, self.layers_order, np.arange(1), self.stack_rows, self._pp_mesh())
+
+    def _pp_mesh(self) -> Mesh | None:
+        return self.mesh if self.mesh.shape["pp"] > 1 else None
 
     def abstract_batch(self) -> Batch:
         """The step's batch input as sharded shapes (for AOT lowering without data)."""
@@ -115,12 +140,14 @@ def make_batches(setup: Setup, split: str = "train") -> Batches:
 
 
 def init_state(setup: Setup) -> TrainState:
-    """Parameters drawn from `train.seed`, created already sharded (identical on any mesh, scanned or not)."""
+    """Parameters drawn from `train.seed`, created already sharded (identical on any mesh, scanned or not), the
+    layer stack in the state's order (`Setup.layers_order`)."""
 
     def init(key):
         tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
         variables = init_variables(setup.model, key, tokens)
-        return fresh_state(setup, variables["params"], _model_state(variables))
+        return fresh_state(setup, setup.to_stored_order(variables["params"]),
+                           setup.to_stored_order(_model_state(variables)))
 
     return jax.jit(init, out_shardings=setup.state_shardings)(jax.random.key(setup.cfg.train.seed))
 
@@ -134,19 +161,20 @@ def fresh_state(setup: Setup, params: Any, model_state: Any) -> TrainState:
 
 
 def state_from_params(setup: Setup, params: Any) -> TrainState:
-    """A fresh state around loaded parameters (e.g. a Hugging Face model), already sharded."""
+    """A fresh state around loaded parameters in the model's order (e.g. a Hugging Face model), already sharded."""
     def state(p):
         # The model state (fp8 amax histories) starts as a fresh run's; the unused parameter init is
         # dead code that the compiler drops.
         tokens = jnp.zeros((setup.micro_batch, setup.cfg.data.seq_len), jnp.int32)
         variables = init_variables(setup.model, jax.random.key(0), tokens)
-        return fresh_state(setup, p, _model_state(variables))
+        return fresh_state(setup, setup.to_stored_order(p), setup.to_stored_order(_model_state(variables)))
 
     return jax.jit(state, out_shardings=setup.state_shardings)(params)
 
 
 def abstract_params(setup: Setup) -> Any:
-    """The parameters as ShapeDtypeStructs carrying their shardings (nothing is allocated)."""
+    """The parameters as ShapeDtypeStructs carrying their shardings (nothing is allocated); the order of the layer
+    stack is not in the shapes."""
     shapes = jax.eval_shape(lambda: init_state(setup)).params
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                         setup.state_shardings.params)

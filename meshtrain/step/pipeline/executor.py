@@ -6,11 +6,9 @@ unchanged. Manual over `pp` only: dp, fsdp, tp stay automatic inside a stage, so
 Megatron TP run within each stage as they do without the pipeline.
 
 Who holds what:
-  layers      the stacked [L, ...] block params, `layers` sharded over pp. Stage s holds its v
-              chunks of k = L/(p·v) layers, one tree per chunk. For v = 1 that is the stored
-              contiguous shard; for interleaved / dualpipe_v the blocks that change stage are
-              sent there at the start of the step and their gradients back at its end
-              (layout.py), so the saved tree is the same for every pp.
+  layers      the stacked [L, ...] block params, `layers` sharded over pp in the stages' order
+              (layout.py: the train state keeps interleaved's and dualpipe_v's chunks where they
+              run). Stage s's shard is its v chunks of k = L/(p·v) layers, one tree per chunk.
   embedding,  replicated over pp (they are small next to the stack). Only the stages holding
   final_norm, the first / last virtual stage touch them; at the end one psum over pp adds the
   lm_head     stages' gradients (the embedding's two uses add up when it is tied to the head),
@@ -55,9 +53,7 @@ back once, for the input gradient and the sites' output gradients, and its W is 
 (ops.py, weight_grads.py): 1 unit each by the formula's clock, about 3:1 in time (on an H100, llama1b's
 half: B 12 ms, W 4 ms, the unsplit B 16 ms). The first chunk's split backward is all W (its B does
 nothing: nobody waits for its input gradient), which the lockstep ticks of zb_h1 at pp=2 favour.
-Every tick sends one [b, T, D] message each way, whether or not a stage has one. Interleaved and
-dualpipe_v add the exchange of the blocks that change stage, each way, per step (the weights in the compute
-dtype, the gradients in fp32: 6 bytes a parameter of the blocks that move); the embedding/head psum
+Every tick sends one [b, T, D] message each way, whether or not a stage has one; the embedding/head psum
 adds one all-reduce of those parameters over pp per step (ticks.py `executor_op_units` prices the ops).
 """
 from __future__ import annotations
@@ -78,7 +74,7 @@ from meshtrain.precision import cast_sites
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
-from meshtrain.step.pipeline.layout import exchange, join_blocks, split_blocks, stage_order
+from meshtrain.step.pipeline.layout import join_blocks, split_blocks
 from meshtrain.step.pipeline.schedules import make_schedule
 from meshtrain.step.state import Setup
 
@@ -101,6 +97,7 @@ def index(tree, i):
 
 def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     """(params, Batch [A, b, T], scale=1.0, model_state={}) -> Accumulated (gradient of scale * objective sum,
+    the layer stacks of params, model state and gradients in the state's order, `Setup.layers_order`;
     objective sum, token count, model_state, {"loss": cross-entropy sum, sown metrics: token-weighted sums}),
     summed over the A microbatches, computed by the pipeline schedule `setup.cfg.pipeline`.
 
@@ -114,8 +111,6 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
     schedule = make_schedule(cfg.pipeline.schedule, p, cfg.train.grad_accum, v)
     ticks = tick_tables(schedule)
     k = cfg.model.n_layers // (p * v)  # layers per chunk
-    order = stage_order(schedule.kind, p, v)  # the stage layout's blocks, in the stored layout (layout.py)
-    inverse = np.argsort(order)  # the stored layout's blocks, in the stage layout
     # Per lane, one switch over the ops that fill the stash (F) and one over those that spend it (B, W), each
     # left out where the lane runs none of its ops. A branch that hands a stash buffer to its chunk's backward
     # must not also pass the stash on as the switch's result, or the compiler copies the whole stash per tick:
@@ -134,14 +129,10 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         stage = lax.axis_index("pp")
         # The stage's chunks, one tree each: every branch names its chunk statically, so an op reads its
         # chunk's weights and adds to its chunk's gradients where they are (a traced chunk index copied both
-        # in and out of the [v, ...] stack at every op).
-        with jax.named_scope(TRANSFER_SCOPE):
-            # The blocks that change stage travel as the ops read them, the bf16 sites cast (half the bytes of
-            # their fp32 masters); their gradients come back in fp32.
-            blocks = split_blocks(layers, v)
-            layers_c = exchange([cast_sites(model.policy, lp) for lp in blocks], order, p)
-            meta_c = exchange(split_blocks(meta_layers, v), order, p)  # fp8_delayed histories, or {} per chunk
-        weights_c = [chunk_weights(model, lp, k) for lp in layers_c]  # what ops read, made once a step
+        # in and out of the [v, ...] stack at every op). The stored shard holds them in order (layout.py).
+        blocks = split_blocks(layers, v)
+        meta_c = split_blocks(meta_layers, v)  # fp8_delayed histories, or {} per chunk
+        weights_c = [chunk_weights(model, cast_sites(model.policy, lp), k) for lp in blocks]  # made once a step
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
@@ -238,9 +229,9 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                           for lane, switches in enumerate(lane_switches))
         link_rows = {name: jnp.asarray(table) for name, table in ticks.link_tables().items()}
         (_, _, g_layers, g_shared, sums, meta_c), _ = lax.scan(tick, carry, (lane_rows, link_rows))
+        g_layers = join_blocks([stacked_layers(g, k, model.every) for g in g_layers])
+        meta_layers = join_blocks(meta_c)
         with jax.named_scope(TRANSFER_SCOPE):
-            g_layers = join_blocks(exchange([stacked_layers(g, k, model.every) for g in g_layers], inverse, p))
-            meta_layers = join_blocks(exchange(meta_c, inverse, p))
             sums = lax.psum(sums, "pp")
         # A metric's logged value is its mean over the layers that sow it (step/loss.py): p·v chunks of them.
         logged = {"loss": sums["ce"]} | {name: sums[name] / (n * p * v) for name, n in layers_sowing.items()}
