@@ -8,8 +8,20 @@ runs F while the next runs B, so every tick lasts a B). So a tick has lanes:
 
     lanes = 2 (1f1b, interleaved, F=1 B=2):  lane 0 runs an F, lane 1 a B, one after the other;
             in the steady state every stage runs one F and one B per tick, so no tick waits.
-    lanes = 1 (afab, zb_h1, dualpipe_v): one op per tick; their ops cost alike, or they run all F
-            then all B, so the schedule's own ticks already cost its makespan.
+    lanes = 3 (zb_h1, dualpipe_v, B split into B and W):  lane 0 an F, lane 1 a B, lane 2 a W, in
+            that order; a W may follow its own B in the same tick.
+    lanes = 1 (afab): one op per tick; it runs all F, then all B.
+
+The split schedules' ops do not cost alike (executor_op_units): the last chunk's F, B and W run as one
+op of 3 units, the first chunk's backward is all W (2). One op per tick, as their schedules place them,
+every tick lasts its slowest stage's op, and at pp=2 and 8 microbatches that program took 1.21x 1F1B's
+time (2x H100, llama1b). In three lanes a steady tick holds a stage's F, B and W, 3 units on every stage,
+as 1F1B's ticks do: the program costs 1F1B's in what its ops cost. That is also the most a lockstep program
+can get from them: a tick lasts its busiest stage, the last stage's fused op and the first stage's F and W
+make every steady tick 3 units, and the first chunk's W (its whole backward) paces the cool-down, so
+deferring W (what ZB-H1 and DualPipeV do to shorten the cool-down of stages that run freely) shortens no
+tick here. In the schedule's own units (F = B = W = 1) such a program costs more than the free-running
+makespan (`makespan` below), as 1F1B's does.
 
 Ops are placed as soon as possible, in the order of the schedule's free-running timeline: at the
 first tick where the op's lane on its stage is free, its inputs exist (made at an earlier tick, or
@@ -49,7 +61,7 @@ IDLE, F, B, W = 0, 1, 2, 3
 KIND_CODE = {"F": F, "B": B, "W": W}
 FIRST, MID, LAST = 0, 1, 2  # where the op's chunk sits in the model: embeds / plain / computes the loss
 NO_LANE = -1  # up_lane / down_lane: nothing leaves on that link
-PAIRED_KINDS = ("1f1b", "interleaved")  # F and B in lanes of their own (module docstring)
+LANES = {"1f1b": 2, "interleaved": 2, "zb_h1": 3, "dualpipe_v": 3}  # the kinds' lanes (module docstring); else 1
 # The name scope of the executor's own collectives (messages between stages, the stack's permutation, the
 # shared parameters' gradient sum); the inspector's collective table calls their phase "pipeline".
 TRANSFER_SCOPE = "pipeline_transfer"
@@ -157,7 +169,7 @@ class _Placed:
 
 def tick_tables(s: Schedule, lanes: int | None = None) -> TickTables:
     """The executor's program for `s` (module docstring); `lanes` overrides the kind's choice."""
-    lanes = lanes or (2 if s.kind in PAIRED_KINDS else 1)
+    lanes = lanes or LANES.get(s.kind, 1)
     placed = _place(s, lanes)
     return _tables(s, placed, lanes)
 
@@ -175,7 +187,7 @@ def _receiver(s: Schedule, kind: str, j: int) -> int | None:
 def _place(s: Schedule, lanes: int) -> dict[tuple[str, int, int], _Placed]:
     """Each op (kind, microbatch, virtual stage) -> where the program runs it (module docstring)."""
     p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
-    lane_of = {"F": 0, "B": lanes - 1, "W": lanes - 1}
+    lane_of = {"F": 0, "B": min(1, lanes - 1), "W": lanes - 1}
     placed: dict[tuple[str, int, int], _Placed] = {}
     busy: set[tuple[int, int, int]] = set()  # (tick, stage, lane)
     links: set[tuple[int, int, int]] = set()  # (tick, sender, direction)
