@@ -197,8 +197,9 @@ class Checkpointer:
 
     def restore_verified(self, abstract_state: TrainState, check_config: Callable[[dict, int], None],
                          layers_order: np.ndarray = MODEL_ORDER) -> tuple[TrainState, int, dict] | None:
-        """The newest step that reads back and verifies, as (state, its layer stack in `layers_order`, step, its
-        saved config); None when the directory holds no step. `check_config(saved_config, step)` may raise ConfigError (a checkpoint of
+        """The newest step that reads back and verifies, as (state, step, its saved config), the state's layer stack
+        in `layers_order`; None when the directory holds no step. `check_config(saved_config, step)` may raise
+        ConfigError (a checkpoint of
         another model is the user's mistake, not damage: no fallback). Steps that failed are set aside
         once one verifies; when none does, CheckpointError names the directory and nothing is renamed."""
         steps = self.all_steps()[::-1]
@@ -269,7 +270,8 @@ class Checkpointer:
     def restore_params_verified(self, step: int, abstract_params: Any, *, fall_back: bool,
                                 layers_order: np.ndarray = MODEL_ORDER) -> tuple[Any, int]:
         """(params, the step they are from): `step`'s parameters, verified against the digests written
-        with them, the layer stack in `layers_order` (by default the model's, as readers run it). With `fall_back` (the newest step was asked for, not a given one) a step that does not
+        with them, the layer stack in `layers_order` (by default the model's, as readers run it). With
+        `fall_back` (the newest step was asked for, not a given one) a step that does not
         read back intact is passed over for the next older one, with a line saying so; nothing is renamed
         (a reader leaves the run directory as it found it). CheckpointError when no candidate verifies."""
         candidates = [s for s in self.all_steps()[::-1] if s <= step] if fall_back else [step]

@@ -14,10 +14,10 @@ nothing moves during a step. p = 2, v = 2, interleaved:
 fp32 gradients came back at its end: on 2x H100, llama1b pp=2 v=2 m=8, 224.8 ms a step against 208.5 without.)
 
 Everything stacked on the layers moves together: the parameters, the optimizer's moments, the fp8_delayed
-histories. The optimizer is elementwise and the clipping norm a sum, so the step never needs the model's
-order; what reads the layers by depth does: the eval step (`reorder` inside its jit), and whoever reads a
-checkpoint, which records the order it was written in (checkpoint.py) and is put into the reader's order
-on restore. `reorder` moves only the blocks that change stage, each once, by partial permutes over pp
+histories. The optimizer treats the layers alike (elementwise; Adafactor's factored statistics average over
+them, in any order) and the clipping norm is a sum, so the step never needs the model's order; what reads
+the layers by depth does: the eval step (`reorder` inside its jit), and whoever reads a checkpoint, which
+records the order it was written in (checkpoint.py) and is put into the reader's order on restore. `reorder` moves only the blocks that change stage, each once, by partial permutes over pp
 (`exchange`): a permutation of the global stack written as a gather lowers to an all-gather of every stage's
 shard to every stage.
 """
