@@ -3,6 +3,7 @@
 Same mesh: the resumed losses are bitwise equal to an uninterrupted run (the data is f(seed, step)
 and the state round-trips exactly). Another mesh: only reduction order changes, so rtol 1e-5.
 """
+import json
 import os
 import re
 import shutil
@@ -183,3 +184,25 @@ def test_fp8_state_is_compared_by_the_sites_it_keeps_not_the_patterns_spelling(t
     saved["precision"]["fp8_exclude"] = "lm_head,attn.wo"
     with pytest.raises(ConfigError, match="keeps other fp8 state"):
         check_compatible(cfg, saved, tmp_path, 3)
+
+
+def eval_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+
+
+def test_an_interleaved_pipeline_saves_in_its_stages_order_and_resumes_elsewhere(tmp_path):
+    """The trainer at interleaved pp=2 keeps the layer stack in its stages' order; its eval loss, and its checkpoint
+    resumed at dp·fsdp·tp, carry on the run of one that never pipelined (4 layers: two chunks per stage)."""
+    four = ["model.n_layers=4", "train.steps=6", SCHEDULE, "eval.every=3", "eval.batches=1"]
+    run_cli(*MESH_A, *four, f"run.dir={tmp_path / 'full'}")
+    pipelined = ["mesh.pp=2", "mesh.dp=1", "mesh.fsdp=2", "mesh.tp=2", "pipeline.schedule=interleaved",
+                 "pipeline.virtual_stages=2", "train.grad_accum=2"]
+    run_cli(*pipelined, *four[:1], "train.steps=3", *four[2:], "checkpoint.every=3", f"run.dir={tmp_path / 'pp'}")
+    losses, out = resume(tmp_path / "pp", tmp_path / "back", *MESH_A, *four)
+    assert "resumed from step 3" in out
+    full = logged_losses(tmp_path / "full")
+    got = {**logged_losses(tmp_path / "pp"), **losses}
+    assert sorted(got) == list(range(1, 7))
+    np.testing.assert_allclose([got[s] for s in range(1, 7)], [full[s] for s in range(1, 7)], rtol=1e-5)
+    np.testing.assert_allclose(eval_losses(tmp_path / "pp")[3], eval_losses(tmp_path / "full")[3], rtol=1e-5)
