@@ -24,7 +24,7 @@ from meshtrain.step.pipeline.ticks import tick_tables
 from meshtrain.step.pipeline.schedules import make_schedule
 from meshtrain.resume import restore_or_init
 from meshtrain.step.accumulate import make_grad_fn
-from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.state import abstract_params, init_state, make_batches
 from meshtrain.step.train_step import make_train_step
 
 # 8 layers so that pp=4 with two chunks per stage still has a whole layer per chunk.
@@ -236,7 +236,8 @@ def test_interleaved_state_keeps_the_stages_order_and_moves_between_orders(refer
     """Initialized at interleaved pp=2, and a one-device checkpoint restored there, the state holds each stage's
     chunks on it (the parameters and the
     optimizer's moments); saved from there (with its order) and restored at pp=1 it is the one-device state bit for
-    bit; restored at dualpipe_v pp=4 its stack is in that schedule's order; the eval loss is the one device's."""
+    bit, and a reader (evaluate, generate, export) gets the model's order; restored at dualpipe_v pp=4 its stack is in
+    that schedule's order; the eval loss is the one device's."""
     want = jax.device_get(restored(reference["setup"], reference["ckpt"]))
     setup = make_setup(tiny_config(*SMALL, *CASES["interleaved-v2-pp2-fsdp4-zero2"]), 8)
     assert list(setup.layers_order) == [0, 2, 1, 3]
@@ -263,6 +264,11 @@ def test_interleaved_state_keeps_the_stages_order_and_moves_between_orders(refer
     back = jax.device_get(restored(reference["setup"], tmp_path / "pp2"))
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
+    reader = Checkpointer(str(tmp_path / "pp2"), keep=2, async_save=False)  # evaluate, generate, export
+    params, _ = reader.restore_params_verified(2, abstract_params(setup), fall_back=False)  # on the pp=2 mesh
+    reader.close()
+    for a, b in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(a, b)  # the model's order
     dual = make_setup(tiny_config(*SMALL, *CASES["dualpipe_v-pp4-tp2"]), 8)
     params = jax.device_get(restored(dual, tmp_path / "pp2").params)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(in_order(want.params, dual.layers_order))):
