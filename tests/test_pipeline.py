@@ -234,10 +234,9 @@ def test_permutation_between_orders():
 
 def test_interleaved_state_keeps_the_stages_order_and_moves_between_orders(reference, tmp_path):
     """Initialized at interleaved pp=2, and a one-device checkpoint restored there, the state holds each stage's
-    chunks on it (the parameters and the
-    optimizer's moments); saved from there (with its order) and restored at pp=1 it is the one-device state bit for
-    bit, and a reader (evaluate, generate, export) gets the model's order; restored at dualpipe_v pp=4 its stack is in
-    that schedule's order; the eval loss is the one device's."""
+    chunks on it (the parameters and the optimizer's moments); saved from there (with its order) and restored at
+    pp=1 it is the one-device state bit for bit, and a reader (evaluate, generate, export) gets the model's order;
+    restored at dualpipe_v pp=4 its stack is in that schedule's order; the eval loss is the one device's."""
     want = jax.device_get(restored(reference["setup"], reference["ckpt"]))
     setup = make_setup(tiny_config(*SMALL, *CASES["interleaved-v2-pp2-fsdp4-zero2"]), 8)
     assert list(setup.layers_order) == [0, 2, 1, 3]
