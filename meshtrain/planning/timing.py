@@ -59,6 +59,11 @@ class Rates:
     # across nodes: assumed figures of the usual order, not measured here.
     latency_nvlink_s: float = 15e-6
     latency_ib_s: float = 40e-6
+    # The pipeline executor's fixed cost per tick beyond its ops and its two permutes (its switches, the lockstep
+    # wait): fitted to 2x H100 (llama1b seq 2048, pp=2, 2026-11-27, docs/PERFORMANCE.md), where interleaved with
+    # twice 1F1B's ticks took 0.989x and 1.014x its step at 8 and 16 microbatches, which this model, ticks free,
+    # put at 0.957x and 0.977x. One shape only: how the cost scales with the model is not measured.
+    tick_s: float = 0.65e-3
 
     @classmethod
     def preset(cls, name: str) -> "Rates":
@@ -203,6 +208,9 @@ def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[st
         per = rates.latency_nvlink_s if link_bw(rates, axis, lay) == rates.nvlink_bw else rates.latency_ib_s
         latency += count * per * (1 - (rates.overlap if axis in ("dp", "fsdp") else 0.0))
     bubble = compute * (pipeline_span(cfg, lay) - 1) if g["pp"] > 1 else 0.0
+    if g["pp"] > 1:  # the executor's ticks (collective_counts prices their permutes)
+        ticks = program(lay.schedule, g["pp"], lay.grad_accum, lay.virtual_stages)
+        bubble += (ticks.n_ticks if ticks is not None else 2 * lay.grad_accum) * rates.tick_s
     total = compute + passes + sum(exposed.values()) + latency + bubble
     return {"compute_s": compute, "passes_s": passes, "bubble_s": bubble,
             **{f"comm_{a}_s": t for a, t in exposed.items() if t}, "latency_s": latency, "total_s": total}
