@@ -33,12 +33,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from meshtrain.step.pipeline.layout import LAYERS, reorder_arrays
+from meshtrain.step.pipeline.layout import LAYERS, MODEL_ORDER, reorder_arrays
 from meshtrain.step.state import TrainState
 
 DIGESTS = "meshtrain_digests"  # the custom-metadata key of {array path: digest}
 LAYERS_ORDER = "meshtrain_layers_order"  # the model block at each stored position of the layer stack
-MODEL_ORDER = np.arange(1)
 
 
 class CheckpointError(RuntimeError):

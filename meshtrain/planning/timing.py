@@ -135,9 +135,15 @@ def collective_counts(cfg: Config, lay: Layout) -> dict[str, float]:
     if g["dp"] > 1:
         out["dp"] = layers
     if g["pp"] > 1:
-        ticks = program(lay.schedule, g["pp"], lay.grad_accum, lay.virtual_stages)
-        out["pp"] = 2 * (ticks.n_ticks if ticks is not None else 2 * lay.grad_accum)
+        out["pp"] = 2 * executor_ticks(lay)
     return out
+
+
+def executor_ticks(lay: Layout) -> int:
+    """The ticks of the pipeline executor's program for this layout (a schedule that cannot run these arguments is
+    priced as all forwards, then all backwards)."""
+    ticks = program(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages)
+    return ticks.n_ticks if ticks is not None else 2 * lay.grad_accum
 
 
 def head_units(cfg: Config, lay: Layout) -> float:
@@ -209,8 +215,7 @@ def step_time(cfg: Config, lay: Layout, rates: Rates, n_devices: int) -> dict[st
         latency += count * per * (1 - (rates.overlap if axis in ("dp", "fsdp") else 0.0))
     bubble = compute * (pipeline_span(cfg, lay) - 1) if g["pp"] > 1 else 0.0
     if g["pp"] > 1:  # the executor's ticks (collective_counts prices their permutes)
-        ticks = program(lay.schedule, g["pp"], lay.grad_accum, lay.virtual_stages)
-        bubble += (ticks.n_ticks if ticks is not None else 2 * lay.grad_accum) * rates.tick_s
+        bubble += executor_ticks(lay) * rates.tick_s
     total = compute + passes + sum(exposed.values()) + latency + bubble
     return {"compute_s": compute, "passes_s": passes, "bubble_s": bubble,
             **{f"comm_{a}_s": t for a, t in exposed.items() if t}, "latency_s": latency, "total_s": total}

@@ -24,7 +24,7 @@ from meshtrain.precision import Precision
 from meshtrain.resolve import Execution, resolve_for_mesh
 from meshtrain.step.opt_shardings import opt_state_shardings
 from meshtrain.step.optim import make_optimizer
-from meshtrain.step.pipeline.layout import reorder, stored_order
+from meshtrain.step.pipeline.layout import MODEL_ORDER, reorder, stored_order
 from meshtrain.sharding import ZeroLayout, make_rules, replicated
 
 BATCH = (None, "batch", None)  # every Batch field [A microbatches, B/A sequences, T]
@@ -82,11 +82,11 @@ class Setup:
 
     def to_stored_order(self, tree: Any) -> Any:
         """Inside a jit: a params-like tree (params, model state, gradients) from the model's order to the state's."""
-        return reorder(tree, np.arange(1), self.layers_order, self.stack_rows, self._pp_mesh())
+        return reorder(tree, MODEL_ORDER, self.layers_order, self.stack_rows, self._pp_mesh())
 
     def to_model_order(self, tree: Any) -> Any:
         """Inside a jit: the inverse of to_stored_order."""
-        return reorder(tree, self.layers_order, np.arange(1), self.stack_rows, self._pp_mesh())
+        return reorder(tree, self.layers_order, MODEL_ORDER, self.stack_rows, self._pp_mesh())
 
     def _pp_mesh(self) -> Mesh | None:
         return self.mesh if self.mesh.shape["pp"] > 1 else None

@@ -17,9 +17,9 @@ Everything stacked on the layers moves together: the parameters, the optimizer's
 histories. The optimizer treats the layers alike (elementwise; Adafactor's factored statistics average over
 them, in any order) and the clipping norm is a sum, so the step never needs the model's order; what reads
 the layers by depth does: the eval step (`reorder` inside its jit), and whoever reads a checkpoint, which
-records the order it was written in (checkpoint.py) and is put into the reader's order on restore. `reorder` moves only the blocks that change stage, each once, by partial permutes over pp
-(`exchange`): a permutation of the global stack written as a gather lowers to an all-gather of every stage's
-shard to every stage.
+records the order it was written in (checkpoint.py) and is put into the reader's order on restore. `reorder`
+moves only the blocks that change stage, each once, by partial permutes over pp (`exchange`): a permutation of
+the global stack written as a gather lowers to an all-gather of every stage's shard to every stage.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.step.pipeline.schedules import virtual_stage
 
 LAYERS = "layers"  # the key of the stacked subtree, in the params and in everything shaped like them
+MODEL_ORDER = np.arange(1)  # the model's order, at any number of blocks (`permutation` refines it)
 
 
 def stage_order(kind: str, p: int, v: int) -> np.ndarray:
@@ -46,7 +47,7 @@ def stage_order(kind: str, p: int, v: int) -> np.ndarray:
 def stored_order(kind: str, p: int, v: int) -> np.ndarray:
     """The order a run keeps its layer stack in (module docstring): p·v blocks, the model's order unless
     the pipeline gives a stage chunks spread over the model."""
-    return stage_order(kind, p, v) if p > 1 else np.arange(1)
+    return stage_order(kind, p, v) if p > 1 else MODEL_ORDER
 
 
 def is_model_order(order: np.ndarray) -> bool:
