@@ -35,12 +35,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain.config import PrecisionConfig
+from pallas_kernels.fp8_cast import cast_transpose
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 TILE = 128  # DeepSeek-V3's tile: 1 x 128 for activations and gradients, 128 x 128 for weights
 RECIPES = get_args(get_type_hints(PrecisionConfig)["matmul"])  # precision.matmul's choices: bf16, fp8, ...
 HISTORY_KEYS = ("x", "w", "g")  # fp8_delayed: one amax history per operand (input, weight, gradient)
+CASTS = ("xla", "triton", "interpret")  # how per_tensor_matmul quantizes its operands
 
 
 def fp8_max(dtype) -> float:
@@ -120,13 +122,28 @@ def _tensor_scales(x, w, meta):
     return pow2_scale(jnp.max(meta["x"]), E4M3), pow2_scale(jnp.max(meta["w"]), E4M3)
 
 
-def per_tensor_matmul(x: jax.Array, w: jax.Array, meta: dict | None, out_dtype) -> jax.Array:
+def per_tensor_matmul(x: jax.Array, w: jax.Array, meta: dict | None, out_dtype, cast: str = "xla") -> jax.Array:
     """fp8 / fp8_delayed (meta = {"x", "w", "g": amax histories [H]}): x [*B, M, K] @ w [*B, K, N].
+
+    `cast` (CASTS) quantizes the operands: "xla" in jnp, which XLA fuses into their producers as it can;
+    "triton" or "interpret" with the one-pass kernel (pallas_kernels/fp8_cast.py: each operand read once,
+    both its layouts and, for delayed scaling, its amax written), compiled for the GPU or run in Triton's
+    interpreter. Same values either way; which is faster is measured in docs/PERFORMANCE.md.
 
     Under differentiation the cotangent returned for `meta` is the *next* histories (this step's
     amaxes pushed), so the step reads them from the gradient, as flax's fp8 ops do.
     """
-    return _per_tensor(x, w, meta, (jnp.dtype(out_dtype), x.dtype, w.dtype))
+    if cast not in CASTS:
+        raise ValueError(f"cast must be one of {CASTS}; got {cast!r}")
+    return _per_tensor(x, w, meta, (jnp.dtype(out_dtype), x.dtype, w.dtype, cast))
+
+
+def _both_layouts(a: jax.Array, scale: jax.Array, dtype, cast: str, with_amax: bool):
+    """(a / scale in fp8, that with its last two dims swapped, amax(a) if with_amax else None)."""
+    if cast == "xla":
+        q = quantize(a, scale, dtype)
+        return q, _t(q), amax(a) if with_amax else None
+    return cast_transpose(a, scale, dtype, amax=with_amax, interpret=cast == "interpret")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -135,23 +152,25 @@ def _per_tensor(x, w, meta, dtypes):
 
 
 def _per_tensor_fwd(x, w, meta, dtypes):
-    out_dtype = dtypes[0]
+    out_dtype, cast = dtypes[0], dtypes[3]
     sx, sw = _tensor_scales(x, w, meta)
-    xq_mk, wq_kn = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
-    y = _scaled_nt(xq_mk, _t(wq_kn), sx * sw, out_dtype)
+    delayed = meta is not None  # delayed scaling pushes this step's amaxes; current scaling had them for its scales
+    xq_mk, xq_km, amax_x = _both_layouts(x, sx, E4M3, cast, delayed)
+    wq_kn, wq_nk, amax_w = _both_layouts(w, sw, E4M3, cast, delayed)
+    y = _scaled_nt(xq_mk, wq_nk, sx * sw, out_dtype)
     # Saved in fp8 (half of bf16), already laid out for the backward GEMMs.
-    res = (_t(xq_mk), wq_kn, sx, sw, meta, amax(x), amax(w))
+    res = (xq_km, wq_kn, sx, sw, meta, amax_x, amax_w)
     return y, res
 
 
 def _per_tensor_bwd(dtypes, res, g):
-    _, x_dtype, w_dtype = dtypes
+    _, x_dtype, w_dtype, cast = dtypes
     xq_km, wq_kn, sx, sw, meta, amax_x, amax_w = res
-    amax_g = amax(g)
-    sg = pow2_scale(amax_g if meta is None else jnp.max(meta["g"]), E5M2)
-    gq_mn = quantize(g, sg, E5M2)
+    delayed = meta is not None
+    sg = pow2_scale(jnp.max(meta["g"]) if delayed else amax(g), E5M2)
+    gq_mn, gq_nm, amax_g = _both_layouts(g, sg, E5M2, cast, delayed)
     dx = _scaled_nt(gq_mn, wq_kn, sg * sw, x_dtype)
-    dw = _scaled_nt(xq_km, _t(gq_mn), sx * sg, w_dtype)
+    dw = _scaled_nt(xq_km, gq_nm, sx * sg, w_dtype)
     new_meta = None if meta is None else {
         "x": push_history(meta["x"], amax_x), "w": push_history(meta["w"], amax_w),
         "g": push_history(meta["g"], amax_g)}

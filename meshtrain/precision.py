@@ -39,12 +39,14 @@ class Precision:
     matmul: str = "bf16"  # one of fp8.RECIPES, for every site not excluded
     fp8_exclude: tuple[str, ...] = FP8_EXCLUDE_DEFAULT
     fp8_amax_history: int = 16
+    fp8_cast: str = "xla"  # fp8.CASTS: how fp8 / fp8_delayed quantize (Execution.fp8_cast decides it)
 
     @classmethod
     def from_names(cls, compute: str, params: str = "float32", matmul: str = "bf16",
-                   fp8_exclude: tuple[str, ...] = FP8_EXCLUDE_DEFAULT, fp8_amax_history: int = 16) -> "Precision":
+                   fp8_exclude: tuple[str, ...] = FP8_EXCLUDE_DEFAULT, fp8_amax_history: int = 16,
+                   fp8_cast: str = "xla") -> "Precision":
         return cls(param_dtype=_DTYPES[params], compute_dtype=_DTYPES[compute], matmul=matmul,
-                   fp8_exclude=tuple(fp8_exclude), fp8_amax_history=fp8_amax_history)
+                   fp8_exclude=tuple(fp8_exclude), fp8_amax_history=fp8_amax_history, fp8_cast=fp8_cast or "xla")
 
     @property
     def is_fp32(self) -> bool:
@@ -100,7 +102,8 @@ class Precision:
         if recipe == "fp8_blockwise":
             y = fp8.blockwise_matmul(x_mk, w_kn, out_dtype)
         else:
-            y = fp8.per_tensor_matmul(x_mk, w_kn, meta if recipe == "fp8_delayed" else None, out_dtype)
+            y = fp8.per_tensor_matmul(x_mk, w_kn, meta if recipe == "fp8_delayed" else None, out_dtype,
+                                      self.fp8_cast)
         return unflatten(y)
 
 

@@ -63,6 +63,7 @@ class Execution:
     moe_exchange: str
     moe_gemm: str
     moe_fp32: bool
+    fp8_cast: str  # fp8.CASTS: how the per-tensor fp8 recipes quantize ("" without one)
     pipeline: PipelineRun | None
     vocab_padded: int
 
@@ -83,6 +84,8 @@ class Execution:
             parts.append("tp collective-matmul rings")
         if self.moe_exchange or self.moe_gemm:
             parts.append(f"experts {self.moe_exchange or 'local'}/{self.moe_gemm}" + (" fp32" if self.moe_fp32 else ""))
+        if self.fp8_cast and self.fp8_cast != "xla":
+            parts.append(f"fp8 cast {self.fp8_cast}")
         if self.pipeline:
             parts.append(f"pipeline {self.pipeline.describe()}")
         if self.interpret:
@@ -113,6 +116,7 @@ def resolve(cfg: Config, degrees: Mapping[str, int], backend: str, *, packages_h
         tp_ring=tp_ring, moe_exchange=_moe_exchange(moe.dispatch) if experts else "",
         moe_gemm=_moe_gemm(moe.grouped_matmul, backend, interpret, packages_here) if experts else "",
         moe_fp32=experts and backend == "cpu" and compute != jnp.float32,
+        fp8_cast=_fp8_cast(cfg.precision, interpret, packages_here),
         pipeline=pipeline, vocab_padded=padded_vocab(m, degrees["tp"]))
 
 
@@ -148,6 +152,15 @@ def _norm(norm: str, interpret: bool, packages_here: bool) -> str:
     if norm == "pallas" and packages_here:
         _triton_installed(interpret, "model.norm=pallas")
     return norm
+
+
+def _fp8_cast(precision, interpret: bool, packages_here: bool) -> str:
+    """The per-tensor fp8 recipes' quantizer (fp8.CASTS): XLA's casts, or the Triton kernel, interpreted off a GPU."""
+    if precision.matmul not in ("fp8", "fp8_delayed"):
+        return ""
+    if precision.fp8_cast == "triton" and packages_here:
+        _triton_installed(interpret, "precision.fp8_cast=triton")
+    return "interpret" if precision.fp8_cast == "triton" and interpret else precision.fp8_cast
 
 
 def _triton_installed(interpret: bool, what: str) -> str:

@@ -1,6 +1,7 @@
 """Benchmark the pallas_kernels on one GPU against cuDNN / plain XLA; prints one table, writes JSON.
 
   PYTHONPATH=. python3 scripts/bench_kernels.py --out results.json [--quick] [--sweep]
+  PYTHONPATH=. python3 scripts/bench_kernels.py --only fp8_cast --sweep --out results.json
 
 Timing: each function is jitted and warmed up (compile + 2 runs); then `--batches` batches of
 `--calls` back-to-back asynchronous calls are timed on the host clock, each batch ended by
@@ -27,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_cast import Fp8CastBlockSizes, cast_transpose, cast_transpose_reference
 from pallas_kernels import (FlashAttentionBlockSizes, MosaicBlockSizes, flash_attention,
                             flash_attention_reference, linear_cross_entropy, linear_cross_entropy_reference,
                             RmsNormBlockSizes, rms_norm, rms_norm_reference)
@@ -252,6 +254,67 @@ def _mib(x):
     return None if x is None else x / 2 ** 20
 
 
+def fp8_rows(args, results):
+    """The one-pass fp8 cast (both layouts) against XLA's, alone and inside the fp8 recipes' GEMMs.
+
+    Cast rows: GB/s of the minimum traffic (x read once, both fp8 layouts written), and how many values of q
+    and qT differ from XLA's (must be 0). GEMM rows: fp8.per_tensor_matmul forward+backward (3 GEMMs,
+    6*M*K*N FLOP) of the Llama-3-8B layer shapes at 8192 tokens, with each cast."""
+    from meshtrain import fp8
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    cases = [("activation", (8192, 4096), jnp.bfloat16, e4m3), ("activation", (8192, 14336), jnp.bfloat16, e4m3),
+             ("gradient", (8192, 14336), jnp.bfloat16, e5m2), ("weight", (4096, 14336), jnp.float32, e4m3),
+             ("weight", (14336, 4096), jnp.float32, e4m3)]
+    blocks = [Fp8CastBlockSizes()]
+    if args.sweep:
+        blocks += [Fp8CastBlockSizes(*c) for c in ((128, 128, 8), (64, 64, 4), (128, 64, 4), (32, 128, 4),
+                                                   (64, 128, 8), (128, 128, 4), (64, 256, 8), (32, 64, 2))]
+    scale = jnp.float32(0.5)
+    for what, shape, dtype, fp8_dtype in cases:
+        sets = [(randn(jax.random.PRNGKey(40 + i), shape, dtype, 30.0),) for i in range(2)]
+        nbytes = shape[0] * shape[1] * (jnp.dtype(dtype).itemsize + 2)
+        ref = jax.jit(lambda x, d=fp8_dtype: cast_transpose_reference(x, scale, d)[:2])
+        want = ref(*sets[0])
+        impls = [("xla", ref)] + [(f"triton [{b.block_rows}/{b.block_cols}/{b.num_warps}]",
+                                   jax.jit(lambda x, d=fp8_dtype, b=b: cast_transpose(x, scale, d, block_sizes=b)[:2]))
+                                  for b in blocks]
+        for impl, f in impls:
+            row = {"kernel": "fp8_cast", "name": f"{what} {shape[0]}x{shape[1]} {jnp.dtype(dtype).name} {impl}",
+                   "mode": "cast"}
+            try:
+                got = f(*sets[0])
+                row["mismatches"] = int(sum(jnp.sum(g.astype(jnp.float32) != w.astype(jnp.float32))
+                                            for g, w in zip(got, want)))
+                t = bench(f, sets, calls=args.calls * 4, batches=args.batches)
+                row.update(ms=t * 1e3, gbps=nbytes / t / 1e9)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc(limit=2)
+            results.append(row)
+            print(fmt(row), flush=True)
+    m = 8192
+    for k, n in ((4096, 14336), (14336, 4096), (4096, 4096)):
+        sets = [(randn(jax.random.PRNGKey(50 + i), (m, k), jnp.bfloat16), randn(jax.random.PRNGKey(60 + i), (k, n),
+                 jnp.float32, 0.02), randn(jax.random.PRNGKey(70 + i), (m, n), jnp.bfloat16)) for i in range(2)]
+        meta = {key: jnp.full((16,), 4.0, jnp.float32) for key in fp8.HISTORY_KEYS}
+        for recipe in ("fp8", "fp8_delayed"):
+            for cast in ("xla", "triton"):
+                def step(x, w, g, cast=cast, recipe=recipe):
+                    mt = meta if recipe == "fp8_delayed" else None
+                    y, vjp = jax.vjp(lambda x, w: fp8.per_tensor_matmul(x, w, mt, jnp.bfloat16, cast), x, w)
+                    return y, *vjp(g)  # y too, or the forward GEMM would be dead code
+                f = jax.jit(step)
+                row = {"kernel": "fp8_matmul", "name": f"{recipe} {m}x{k}x{n} cast={cast}", "mode": "fwd+bwd"}
+                try:
+                    t = bench(f, sets, calls=args.calls, batches=args.batches)
+                    row.update(ms=t * 1e3, tflops=6 * m * k * n / t / 1e12)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    traceback.print_exc(limit=2)
+                results.append(row)
+                print(fmt(row), flush=True)
+
+
 def fmt(row):
     if "error" in row:
         return f"{row['name']:<58} {row['mode']:<10} ERROR {row['error'][:120]}"
@@ -260,6 +323,8 @@ def fmt(row):
         parts.append(f"{row['tflops']:7.1f} TFLOP/s")
     if "gbps" in row:
         parts.append(f"{row['gbps']:7.0f} GB/s")
+    if "mismatches" in row:
+        parts.append(f"{row['mismatches']} values unlike XLA's")
     if row.get("temp_mib") is not None:
         parts.append(f"temp {row['temp_mib']:9.1f} MiB")
     return "  ".join(parts)
@@ -271,7 +336,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="one attention shape each of MHA/GQA")
     p.add_argument("--sweep", action="store_true",
                    help="also try a few attention block configs (causal B4 S4096 E128, MHA and GQA)")
-    p.add_argument("--only", default="attention,rms_norm,cross_entropy")
+    p.add_argument("--only", default="attention,rms_norm,cross_entropy",
+                   help="comma-separated: attention, rms_norm, cross_entropy, fp8_cast (the one-pass fp8 cast)")
     p.add_argument("--impls", default="mosaic,triton,cudnn,xla_ref", help="the attention implementations to time")
     p.add_argument("--sweep-all", action="store_true", help="the --sweep configs on every attention case")
     p.add_argument("--calls", type=int, default=10)
@@ -286,7 +352,8 @@ def main():
     print(meta, flush=True)
     results = []
     only = args.only.split(",")
-    for name, fn in (("attention", attention_rows), ("rms_norm", rms_rows), ("cross_entropy", ce_rows)):
+    for name, fn in (("attention", attention_rows), ("rms_norm", rms_rows), ("cross_entropy", ce_rows),
+                     ("fp8_cast", fp8_rows)):
         if name in only:
             fn(args, results)
     with open(args.out, "w") as f:

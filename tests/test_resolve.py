@@ -154,6 +154,23 @@ def test_the_fused_norm_needs_the_triton_packages_where_it_runs(triton_packages)
     assert resolve(tiny_config("precision.compute=bfloat16"), degrees, "gpu").norm == "reference"
 
 
+def test_the_fp8_cast_kernel_needs_the_triton_packages_where_it_runs(triton_packages):
+    """precision.fp8_cast=triton: the kernel on a GPU (jax-triton and triton), Triton's interpreter on a CPU (triton);
+    without them one config error naming the field and the install line. XLA's casts need neither, and a config
+    without a per-tensor fp8 recipe has no cast to decide."""
+    there = triton_packages
+    degrees = dict(pp=1, dp=1, fsdp=1, ep=1, cp=1, sp=1, tp=1)
+    cfg = tiny_config("precision.compute=bfloat16", "precision.matmul=fp8_delayed", "precision.fp8_cast=triton")
+    assert resolve(cfg, degrees, "gpu").fp8_cast == "triton"
+    assert resolve(cfg, degrees, "cpu").fp8_cast == "interpret"
+    there.remove("jax_triton")
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, degrees, "gpu")
+    assert err.value.problems == ['precision.fp8_cast=triton needs the jax_triton package: pip install -e ".[triton]"']
+    assert resolve(tiny_config("precision.compute=bfloat16", "precision.matmul=fp8"), degrees, "gpu").fp8_cast == "xla"
+    assert resolve(tiny_config("precision.fp8_cast=triton"), degrees, "gpu").fp8_cast == ""
+
+
 def test_the_moe_gemm_kernel_needs_the_triton_packages_where_it_runs(triton_packages):
     """moe.grouped_matmul=pallas runs the gmm Triton kernels: jax-triton and triton on a GPU, triton for the CPU's
     interpreter. Without them an explicit choice is one config error naming the field and the install line, and

@@ -223,6 +223,10 @@ class PrecisionConfig:
     matmul: Literal["bf16", "fp8", "fp8_delayed", "fp8_blockwise"] = "bf16"
     fp8_amax_history: int = 16  # fp8_delayed: steps of amax history the scale is taken from
     fp8_exclude: str = ",".join(FP8_EXCLUDE_DEFAULT)  # comma-separated MATMUL_SITES patterns (fnmatch) kept plain
+    # fp8 / fp8_delayed: how an operand becomes fp8 in both layouts its GEMMs read. xla: jnp casts that XLA fuses
+    # into their producers; triton: one pass of the kernel (pallas_kernels/fp8_cast.py; on a CPU, Triton's
+    # interpreter), faster alone and slower in the step (docs/PERFORMANCE.md, "The one-pass fp8 cast").
+    fp8_cast: Literal["xla", "triton"] = "xla"
 
 
 @dataclass(frozen=True)

@@ -99,10 +99,11 @@ class Setup:
 
 def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     pc = cfg.precision
-    policy = Precision.from_names(pc.compute, pc.params, pc.matmul, fp8_exclude_patterns(pc), pc.fp8_amax_history)
+    exe = resolve_for_mesh(cfg, mesh)
+    policy = Precision.from_names(pc.compute, pc.params, pc.matmul, fp8_exclude_patterns(pc), pc.fp8_amax_history,
+                                  exe.fp8_cast)
     layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.parallel.sequence_parallel,
                         n_kv_heads=cfg.model.n_kv_heads)
-    exe = resolve_for_mesh(cfg, mesh)
     model = Decoder(cfg.model, policy, layout.params, exe, cfg.train.remat, document_mask=cfg.data.document_mask,
                     moe=cfg.moe if cfg.moe.enabled else None)
 
