@@ -62,7 +62,9 @@ class Rates:
     # The pipeline executor's fixed cost per tick beyond its ops and its two permutes (its switches, the lockstep
     # wait): fitted to 2x H100 (llama1b seq 2048, pp=2, 2026-11-27, docs/PERFORMANCE.md), where interleaved with
     # twice 1F1B's ticks took 0.989x and 1.014x its step at 8 and 16 microbatches, which this model, ticks free,
-    # put at 0.957x and 0.977x. One shape only: how the cost scales with the model is not measured.
+    # put at 0.957x and 0.977x. One shape only: how the cost scales with the model is not measured. Most of it is
+    # the host round trip of each lane's switch (XLA reads the branch index back before launching the branch):
+    # gaps of ~0.3 ms after `set_case_condition` in the 1F1B trace, two switches a tick.
     tick_s: float = 0.65e-3
 
     @classmethod
