@@ -20,12 +20,13 @@ def _on_fp8_grid(v, MANT: tl.constexpr, EMIN: tl.constexpr):
     rounds to zero). The cast that follows is then exact: Triton's interpreter (3.9) rounds fp32 -> fp8 wrongly
     where rounding carries into the exponent (7.86 -> 4 in e4m3), and the CPU tests run the kernel there; on
     the GPU the cast would round the same way."""
-    a = tl.abs(v)
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)  # subnormals: the least binade's spacing
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # |v|'s binade; subnormals take the least one's spacing
     spacing = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MANT), exact
-    r = a / spacing  # < 2^(MANT + 1): an exact division by a power of two
+    r = tl.abs(v) / spacing  # < 2^(MANT + 1): an exact division by a power of two
     r = (r + 12582912.0) - 12582912.0  # + 1.5 * 2^23 and back: fp32 addition rounds r to an integer, ties to even
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -(r * spacing), r * spacing)  # the sign bit, -0 included
+    # v's sign bit put back on the magnitude (Triton's unary minus is 0 - x, which would turn -0 into +0).
+    return ((r * spacing).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
