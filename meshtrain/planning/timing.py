@@ -63,9 +63,9 @@ class Rates:
     # wait): fitted to 2x H100 (llama1b seq 2048, pp=2, 2026-11-27, docs/PERFORMANCE.md), where interleaved with
     # twice 1F1B's ticks took 0.989x and 1.014x its step at 8 and 16 microbatches, which this model, ticks free,
     # put at 0.957x and 0.977x; dualpipe_v (not fitted) came out at 1.050x at 8, predicted 1.040x. One shape only:
-    # how the cost scales with the model is not measured. The trace shows part of it: the GPU idles ~0.3 ms after
-    # `set_case_condition`, while XLA reads a switch's branch index back to launch the branch. It is priced by the
-    # tick, not by the switch: zb_h1's third switch a tick did not make its steps slower than 1F1B's.
+    # how the cost scales with the model is not measured, nor where it goes (the trace has ~0.3 ms idle gaps after
+    # some switches' index reads, where a switch over small branches costs ~20 us). It is priced by the tick, not
+    # by the switch: zb_h1's third switch a tick did not make its steps slower than 1F1B's.
     tick_s: float = 0.65e-3
 
     @classmethod
