@@ -97,3 +97,28 @@ def test_gpu_cast_transpose_equals_the_jnp_cast_bit_for_bit(dtype):
     np.testing.assert_array_equal(bits(q), bits(want_q))
     np.testing.assert_array_equal(bits(q_t), bits(want_t))
     assert float(amax) == float(want_amax)
+
+
+def test_the_train_step_with_the_kernel_equals_the_step_with_xlas_casts():
+    """precision.fp8_cast=triton reaches every fp8 site of the model (on a CPU, Triton's interpreter): two steps of
+    the tiny model under fp8_delayed, bf16 compute, give XLA's casts' losses exactly, and the histories after them."""
+    from helpers import make_setup, tiny_config
+    from meshtrain.step.state import init_state, make_batches
+    from meshtrain.step.train_step import make_train_step
+
+    def run(cast):
+        setup = make_setup(tiny_config("precision.compute=bfloat16", "precision.matmul=fp8_delayed",
+                                       f"precision.fp8_cast={cast}"), 1)
+        assert setup.model.policy.fp8_cast == ("interpret" if cast == "triton" else "xla")
+        batches, state, step = make_batches(setup), init_state(setup), make_train_step(setup)
+        losses = []
+        for i in range(2):
+            state, metrics = step(state, batches.batch(i))
+            losses.append(float(metrics["loss"]))
+        return losses, state.model_state
+
+    (got, got_meta), (want, want_meta) = run("triton"), run("xla")
+    assert got == want and np.isfinite(got).all()
+    for a, b in zip(jax.tree.leaves(got_meta), jax.tree.leaves(want_meta)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(float(jnp.max(a)) > 0 for a in jax.tree.leaves(got_meta))  # the histories were pushed
