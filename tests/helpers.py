@@ -116,13 +116,14 @@ def run_cli(*overrides: str, timeout: float = 300, check: bool = True) -> subpro
     return proc
 
 
-def logged_losses(run_dir: str | Path) -> dict[int, float]:
-    """step -> loss from metrics.jsonl (JSON keeps Python floats exactly, so equality is bitwise)."""
+def logged_losses(run_dir: str | Path, key: str = "loss") -> dict[int, float]:
+    """step -> loss (or another logged `key`, e.g. "eval_loss") from metrics.jsonl (JSON keeps Python floats exactly,
+    so equality is bitwise). Train records carry loss, eval records eval_loss."""
     out = {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if "loss" in rec:  # eval records carry eval_loss instead
-            out[rec["step"]] = rec["loss"]
+        if key in rec:
+            out[rec["step"]] = rec[key]
     return out
 
 

@@ -5,8 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import make_setup, tiny_config
 from meshtrain import fp8
 from meshtrain.precision import Precision
+from meshtrain.step.state import init_state, make_batches
+from meshtrain.step.train_step import make_train_step
 from pallas_kernels.fp8_cast import Fp8CastBlockSizes, cast_transpose, cast_transpose_reference
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -102,10 +105,6 @@ def test_gpu_cast_transpose_equals_the_jnp_cast_bit_for_bit(dtype):
 def test_the_train_step_with_the_kernel_equals_the_step_with_xlas_casts():
     """precision.fp8_cast=triton reaches every fp8 site of the model (on a CPU, Triton's interpreter): two steps of
     the tiny model under fp8_delayed, bf16 compute, give XLA's casts' losses exactly, and the histories after them."""
-    from helpers import make_setup, tiny_config
-    from meshtrain.step.state import init_state, make_batches
-    from meshtrain.step.train_step import make_train_step
-
     def run(cast):
         setup = make_setup(tiny_config("precision.compute=bfloat16", "precision.matmul=fp8_delayed",
                                        f"precision.fp8_cast={cast}"), 1)

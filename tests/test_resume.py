@@ -3,7 +3,6 @@
 Same mesh: the resumed losses are bitwise equal to an uninterrupted run (the data is f(seed, step)
 and the state round-trips exactly). Another mesh: only reduction order changes, so rtol 1e-5.
 """
-import json
 import os
 import re
 import shutil
@@ -186,11 +185,6 @@ def test_fp8_state_is_compared_by_the_sites_it_keeps_not_the_patterns_spelling(t
         check_compatible(cfg, saved, tmp_path, 3)
 
 
-def eval_losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
-
-
 def test_an_interleaved_pipeline_saves_in_its_stages_order_and_resumes_elsewhere(tmp_path):
     """The trainer at interleaved pp=2 keeps the layer stack in its stages' order; its eval loss, and its checkpoint
     resumed at dp·fsdp·tp, carry on the run of one that never pipelined (4 layers: two chunks per stage)."""
@@ -205,4 +199,5 @@ def test_an_interleaved_pipeline_saves_in_its_stages_order_and_resumes_elsewhere
     got = {**logged_losses(tmp_path / "pp"), **losses}
     assert sorted(got) == list(range(1, 7))
     np.testing.assert_allclose([got[s] for s in range(1, 7)], [full[s] for s in range(1, 7)], rtol=1e-5)
-    np.testing.assert_allclose(eval_losses(tmp_path / "pp")[3], eval_losses(tmp_path / "full")[3], rtol=1e-5)
+    np.testing.assert_allclose(logged_losses(tmp_path / "pp", "eval_loss")[3],
+                               logged_losses(tmp_path / "full", "eval_loss")[3], rtol=1e-5)
