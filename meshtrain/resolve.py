@@ -16,7 +16,8 @@ step, the memory guard, the planner and the inspector. Nothing below this module
                                                      packages are, ragged_dot elsewhere)
     moe_fp32         XLA:CPU cannot compile the bf16 expert region on several devices: CPUs run it in fp32
     tp_ring          tensor parallelism's matmuls run as shard_map rings (parallel.tp_overlap)
-    pipeline         the schedule the pipeline executor runs (None without mesh.pp > 1)
+    pipeline         the schedule the pipeline executor runs (None without mesh.pp > 1), and its last chunk's
+                     remat policy (auto: none where train.remat recomputes no matmul, config/pipeline.py)
     vocab_padded     the vocabulary rounded up so that tp divides it
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from meshtrain.config import Config, ConfigError, padded_vocab
+from meshtrain.config.pipeline import last_chunk_remat
 
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)  # the fused attention implementations' compute dtypes
 
@@ -40,10 +42,12 @@ class PipelineRun:
     stages: int
     virtual_stages: int
     microbatches: int
+    last_chunk_remat: str  # config.pipeline.last_chunk_remat: the remat policy of the chunk that computes the loss
 
     def describe(self) -> str:
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.schedule}{v} over {self.stages} stages, {self.microbatches} microbatches"
+        return (f"{self.schedule}{v} over {self.stages} stages, {self.microbatches} microbatches, "
+                f"last chunk remat {self.last_chunk_remat}")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,8 @@ def resolve(cfg: Config, degrees: Mapping[str, int], backend: str, *, packages_h
               if attention == "pallas" else "")
     experts = moe.n_experts > 0
     tp_ring = (cfg.parallel.tp_overlap == "collective_matmul" and degrees["tp"] > 1)
-    pipeline = (PipelineRun(cfg.pipeline.schedule, degrees["pp"], cfg.pipeline.virtual_stages, cfg.train.grad_accum)
+    pipeline = (PipelineRun(cfg.pipeline.schedule, degrees["pp"], cfg.pipeline.virtual_stages, cfg.train.grad_accum,
+                            last_chunk_remat(cfg.pipeline.last_chunk_remat, cfg.train.remat))
                 if pipelined else None)
     return Execution(
         backend=backend, attention=attention, attention_kernel=kernel, interpret=interpret,

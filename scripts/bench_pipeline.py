@@ -113,6 +113,7 @@ def time_single_device(setup, a):
     import jax
     import jax.numpy as jnp
 
+    from meshtrain.config.pipeline import last_chunk_remat
     from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
     from meshtrain.step.pipeline.ticks import B, F, LAST, MID, W
     from meshtrain.step.accumulate import make_grad_fn
@@ -135,7 +136,8 @@ def time_single_device(setup, a):
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
             lp = chunk_weights(setup.model, jax.tree.map(lambda arr: arr[:k], params["layers"]), k)
-            ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb))
+            ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb),
+                                  last_remat=last_chunk_remat(c.pipeline.last_chunk_remat, c.train.remat))
             kind, pos = key
             kept = []  # what a B or W spends: the stash its chunk's F fills (and a split B, for W)
             if kind != F and pos != LAST:

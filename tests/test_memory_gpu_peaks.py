@@ -1,7 +1,9 @@
 """The memory estimate (backend "gpu", as the guard and the planner use it on GPUs) against peaks measured on GPUs.
 
 Each row is a config as it ran, with the allocator's peak per device measured on H200s (jax 0.11.2): XLA:GPU's own
-memory_analysis() peak of the same compiled steps equalled it (38.25, 17.43, 118.6 GiB for the first three rows).
+memory_analysis() peak of the same compiled steps equalled it (38.25, 17.43, 118.6 GiB for the first three rows then).
+The pp=2 rows are XLA:GPU's memory_analysis() peaks on H100s (2026-11-27, jax 0.11.2, `docs/results/2026-11-27g_*`),
+17.59 GiB where the last chunk keeps everything (pipeline.last_chunk_remat=auto), 17.43-17.46 where it did not.
 Two more layouts ran out of memory at 0.95 of an H200 (134 GiB): the estimate must put them above what they had.
 Sources: docs/PERFORMANCE.md, 2026-11-27 (the planner and the memory estimate against four H200s:
 `scripts/bench_plan.py --set calibration` and `--plan-top 3`; the OLMoE row from "OLMoE at ep=2"). Pure
@@ -23,7 +25,10 @@ B8 = ["train.global_batch=8"]
 # (config, overrides, devices, measured peak GiB per device)
 MEASURED = {
     "1.36B config, 1 GPU": (LLAMA1B, [], 1, 38.25),
-    "1.36B config, pp=2 1f1b, 8 microbatches": (LLAMA1B, PP2, 2, 17.43),
+    "1.36B config, pp=2 1f1b, 8 microbatches": (LLAMA1B, PP2, 2, 17.59),
+    "1.36B config, pp=2 1f1b, the last chunk as the rest": (
+        LLAMA1B, PP2 + ["pipeline.last_chunk_remat=save_dots_attn"], 2, 17.46),
+    "1.36B config, pp=2 1f1b, remat none": (LLAMA1B, PP2 + ["train.remat=none"], 2, 23.29),
     "Llama-3-8B config, fsdp=2, 4 sequences a GPU": (LLAMA8B, B8, 2, 118.62),
     "Llama-3-8B fsdp=2 ZeRO-3 save_dots": (LLAMA8B, B8 + ["train.remat=save_dots"], 2, 114.56),
     "Llama-3-8B fsdp=2 ZeRO-3, 2 microbatches": (LLAMA8B, B8 + ["train.grad_accum=2"], 2, 107.90),

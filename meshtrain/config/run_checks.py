@@ -48,20 +48,31 @@ def failed(checks: Iterable[tuple[bool, str]]) -> list[str]:
     return [msg for ok, msg in checks if not ok]
 
 
-def train_problems(cfg: Config) -> list[str]:
-    """The optimizer step and its schedule: ZeRO stage, recomputation, learning rate, clipping."""
-    t = cfg.train
-    parts = remat_parts(t.remat)
-    checks = [(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: must be 0, 1, 2 or 3")]
-    checks += [(name in REMAT_FIXED or (name == "names" and points != ("",)),
-                f"train.remat={t.remat!r}: {spelled!r} must be one of {', '.join(REMAT_FIXED)} or names:<point>,... "
-                f"(points: {', '.join(CHECKPOINT_POINTS)}); policies join with '+'")
-               for (name, points), spelled in zip(parts, t.remat.split("+"))]
+def remat_checks(field: str, policy: str, also: str = "") -> list[tuple[bool, str]]:
+    """A remat policy's spelling (model/remat.py), for the config `field` that names it; `also`: another value
+    the field takes."""
+    parts = remat_parts(policy)
+    choices = ", ".join(((also,) if also else ()) + REMAT_FIXED)
+    checks = [(name in REMAT_FIXED or (name == "names" and points != ("",)),
+               f"{field}={policy!r}: {spelled!r} must be one of {choices} or names:<point>,... "
+               f"(points: {', '.join(CHECKPOINT_POINTS)}); policies join with '+'")
+              for (name, points), spelled in zip(parts, policy.split("+"))]
     checks.append((len(parts) == 1 or ("none", ()) not in parts,
-                   f"train.remat={t.remat!r}: 'none' keeps everything already; join only recomputing policies"))
-    checks += [(p in CHECKPOINT_POINTS, f"train.remat={t.remat!r}: unknown point {p!r}; known: "
+                   f"{field}={policy!r}: 'none' keeps everything already; join only recomputing policies"))
+    checks += [(p in CHECKPOINT_POINTS, f"{field}={policy!r}: unknown point {p!r}; known: "
                                         f"{', '.join(CHECKPOINT_POINTS)}")
                for name, points in parts if name == "names" and points != ("",) for p in points]
+    return checks
+
+
+def train_problems(cfg: Config) -> list[str]:
+    """The optimizer step and its schedule: ZeRO stage, recomputation (a pipeline's last chunk's too), learning rate,
+    clipping."""
+    t = cfg.train
+    checks = [(t.zero_stage in (0, 1, 2, 3), f"train.zero_stage={t.zero_stage}: must be 0, 1, 2 or 3")]
+    checks += remat_checks("train.remat", t.remat)
+    if cfg.pipeline.last_chunk_remat != "auto":
+        checks += remat_checks("pipeline.last_chunk_remat", cfg.pipeline.last_chunk_remat, also="auto")
     checks += [
         (t.schedule_steps == 0 or t.schedule_steps >= t.steps,
          f"train.schedule_steps={t.schedule_steps}: must be >= train.steps={t.steps} (or 0 for the same)"),

@@ -43,6 +43,7 @@ import functools
 from dataclasses import dataclass, field
 
 from meshtrain.config import Config, padded_vocab, remat_parts
+from meshtrain.config.pipeline import last_chunk_remat
 from meshtrain.planning.memory_moe import expert_layer_bytes, grouped_matmul_working_bytes
 from meshtrain.planning.memory_pipeline import chunk_layers, in_flight, stage_activation_bytes
 from meshtrain.resolve import Execution
@@ -362,7 +363,14 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     if g["pp"] == 1:  # the scan's stacked residuals of every layer, one microbatch at a time
         stack = kept * m.n_layers
     else:
-        stack = stage_activation_bytes(m.n_layers, lay, kept, split_backward_bytes(cfg, lay),
+        # The last chunk's forward and backward are one computation, so XLA fuses the elementwise residuals that
+        # a chunk keeping everything would stash into the backward's kernels, and holds about the matmul and
+        # attention outputs (the 1.36B config at pp=2, save_dots_attn elsewhere: XLA:GPU's peak 0.14 GiB higher
+        # with its 12 layers at remat none, where jax.vjp's residuals would be 1.78 GiB more).
+        last_policy = last_chunk_remat(cfg.pipeline.last_chunk_remat, lay.remat)
+        last = layer_activation_bytes(cfg, lay, attention_impl,
+                                      remat="save_dots_attn" if last_policy == "none" else last_policy)
+        stack = stage_activation_bytes(m.n_layers, lay, kept, split_backward_bytes(cfg, lay), last,
                                        stash_copies=2 if backend == "cpu" else 1)
         if cfg.precision.matmul.startswith("fp8"):
             # A chunk runs its layers unrolled (step/pipeline/ops.py), and its op holds every layer's quantized

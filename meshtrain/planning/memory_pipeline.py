@@ -13,7 +13,7 @@ XLA:CPU's buffer assignment holds every stash leaf twice: once in the carry, onc
 that fills its slot (the peak's live buffers list each stash leaf as a `copy` beside a `cond{i}` of the same
 size), so there the stash counts twice; XLA:GPU's holds it once (the 1.36B config at pp=2: 17.4 GiB measured).
 The last chunk's B runs that chunk's forward too (head and loss included), so the stage also holds one chunk's
-residuals while it runs.
+residuals while it runs, under pipeline.last_chunk_remat, as one computation keeps them (memory.py).
 """
 from __future__ import annotations
 
@@ -68,9 +68,10 @@ def is_tapped(lay: Layout) -> bool:
 
 
 def stage_activation_bytes(n_layers: int, lay: Layout, kept_per_layer: float, split_per_layer: float,
-                           stash_copies: int = 2) -> float:
+                           last_kept_per_layer: float, stash_copies: int = 2) -> float:
     """The stash, `stash_copies` times (twice on XLA:CPU, module docstring; once on GPUs), and the last chunk's
-    own forward. `split_per_layer`: what a tapped layer keeps more per microbatch (memory.split_backward_bytes)."""
+    own forward (`last_kept_per_layer`: what a layer of it keeps under pipeline.last_chunk_remat, memory.py).
+    `split_per_layer`: what a tapped layer keeps more per microbatch (memory.split_backward_bytes)."""
     k = chunk_layers(n_layers, lay)
     stash = stash_slots(lay) * k * (kept_per_layer + (split_per_layer if is_tapped(lay) else 0.0))
-    return stash_copies * stash + k * kept_per_layer
+    return stash_copies * stash + k * last_kept_per_layer

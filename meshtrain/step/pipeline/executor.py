@@ -137,7 +137,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
                                                  (weights_c[0], pool[0], index(batch, 0), meta_c[0]),
-                                                 middle=bool((ticks.position == MID).any()))
+                                                 middle=bool((ticks.position == MID).any()),
+                                                 last_remat=setup.exe.pipeline.last_chunk_remat)
         # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
         # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
         # slot picked by a traced index would copy every leaf into the slot at F and out of it at B. Past

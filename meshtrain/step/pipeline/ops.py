@@ -20,7 +20,9 @@ What F keeps is the chunk's jax.vjp pullback (its residuals: what the model's re
 train.remat, saves of each layer), in the stage's stash (`Stash`); B spends it, as a step without
 the pipeline spends its residuals, so B costs a backward, not a forward and a backward. The last
 chunk keeps nothing: its forward and backward run back to back (B follows F on that stage at once in
-every schedule), which spares the stash its logits.
+every schedule), which spares the stash its logits, under a policy of its own (`last_remat`: by default it keeps
+everything where train.remat reruns no matmul, since what one computation keeps costs no stash traffic;
+config/pipeline.py).
 
 The ops take a chunk's layer params as the stage holds them for the whole step (`chunk_weights`): the weights
 of bf16 matmul sites already cast to the compute dtype (once per step in the executor; a site casts them
@@ -154,27 +156,30 @@ def chunk_weights(decoder: Decoder, layers: Any, n_layers: int) -> Any:
     return unrolled_layers(cast_sites(decoder.policy, layers), n_layers, decoder.every)
 
 
-def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...], middle: bool = True
-              ) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
+def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...], middle: bool = True,
+              last_remat: str | None = None) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
     {metric: how many of a chunk's layers sow it}. The ops' layer params are `chunk_weights`.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch[, the chunk's fp8 histories]),
     values or shapes. `middle`: whether middle chunks run at all (with only a first and a last chunk, a split
-    backward taps nothing: the first's W pulls back whole, the last's B runs it all).
+    backward taps nothing: the first's W pulls back whole, the last's B runs it all). `last_remat`: the last
+    chunk's remat policy (PipelineRun.last_chunk_remat; None: the decoder's, as every other chunk's).
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
     rules = decoder.rules
     stack = decoder.stack(n_layers, scan=False)  # chunk_weights: the ops take their layers one by one
+    # Its F and B run in one op: what it keeps never waits in the stash (config/pipeline.py: last_chunk_remat).
+    last_stack = decoder.clone(remat=last_remat).stack(n_layers, scan=False) if last_remat else stack
     tapped = split_backward and middle  # a split backward's middle chunks record their sites' inputs
     taps_sown = (SITE_INPUTS,) if tapped else ()
 
-    def run(lp, x_btd, mb: Batch, meta, taps, sown=(LOSSES, METRICS)):
+    def run(lp, x_btd, mb: Batch, meta, taps, sown=(LOSSES, METRICS), blocks=stack):
         """-> (y, the chunk's sown collections). `meta`: the chunk's fp8_delayed histories, or {}; `taps`: the
         zero perturbations of its sites' outputs (SITE_GRADS), or {}."""
         meta = unrolled_layers(meta, n_layers, decoder.every) if meta else {}  # as the stack names its layers
         variables = {"params": lp, **({FP8_META: meta} if meta else {}), **({SITE_GRADS: taps} if taps else {})}
-        (y_btd, _), sown = stack.apply(variables, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules),
-                                       mutable=sown)
+        (y_btd, _), sown = blocks.apply(variables, x_btd, seq_info(mb.positions, mb.segment_ids, decoder.cfg, rules),
+                                        mutable=sown)
         return y_btd, sown
 
     def chunk(lp, x_btd, mb: Batch, meta, taps):
@@ -195,7 +200,7 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         return decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed)
 
     def loss_sum(lp, sh, x_btd, meta, mb: Batch, scale):
-        y_btd, sown = run(lp, x_btd, mb, meta, {})
+        y_btd, sown = run(lp, x_btd, mb, meta, {}, blocks=last_stack)
         h_btd, head_dv = decoder.apply({"params": sh}, y_btd, method=Decoder.head)
         ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
         loss = objective(ce, n, sown)[0]
