@@ -37,7 +37,7 @@ as its slowest op, so the executor's time is lockstep_makespan = Σ_tick max_sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 # The kinds and the argument rules are the config's (pure Python, below this floor); they are part of this
 # module's API too: the command and the tests take them from here with the builders.
@@ -108,6 +108,13 @@ class Schedule:
     def makespan(self) -> float:
         """End of the last op, in cost units."""
         return max((op.end for stage_ops in self.ops for op in stage_ops), default=0.0)
+
+    def makespan_in(self, cost: Callable[[str, int], float]) -> float:
+        """The free-running makespan with each op (kind, virtual stage j) lasting cost(kind, j) instead of
+        op_costs: the same orders, each op as early as its inputs and its stage allow."""
+        orders = tuple(tuple((op.kind, op.microbatch, op.chunk) for op in stage_ops) for stage_ops in self.ops)
+        placed = _place(orders, self.kind, self.n_stages, self.virtual_stages, self.split_backward, cost)
+        return max((op.end for stage_ops in placed for op in stage_ops), default=0.0)
 
     @property
     def lockstep_makespan(self) -> float:
@@ -180,10 +187,13 @@ def make_schedule(kind: Kind, n_stages: int, n_microbatches: int, virtual_stages
     return schedule
 
 
-def _place(orders: builders.Orders, kind: str, p: int, v: int, split: bool) -> tuple[tuple[Op, ...], ...]:
+def _place(orders: builders.Orders, kind: str, p: int, v: int, split: bool,
+           cost: Callable[[str, int], float] | None = None) -> tuple[tuple[Op, ...], ...]:
     """Place each stage's ops in order, each as early as its inputs and its stage allow, on
-    both clocks. Raises ScheduleError if the orders deadlock (every stage waits on another)."""
+    both clocks. `cost(kind, virtual stage)`: an op's length in time (default: op_costs).
+    Raises ScheduleError if the orders deadlock (every stage waits on another)."""
     costs = op_costs(split)
+    cost = cost or (lambda op_kind, j: costs[op_kind])
     done: dict[tuple[str, int, int], Op] = {}
     placed: list[list[Op]] = [[] for _ in range(p)]
     total = sum(len(o) for o in orders)
@@ -199,7 +209,7 @@ def _place(orders: builders.Orders, kind: str, p: int, v: int, split: bool) -> t
                 prev = placed[s][-1] if placed[s] else None
                 start = max([prev.end if prev else 0.0] + [i.end for i in inputs])
                 tick = max([prev.tick + 1 if prev else 0] + [i.tick + 1 for i in inputs])
-                op = Op(op_kind, mb, chunk, s, float(start), float(start + costs[op_kind]), tick)
+                op = Op(op_kind, mb, chunk, s, float(start), float(start + cost(op_kind, j)), tick)
                 placed[s].append(op)
                 done[(op_kind, mb, j)] = op
                 progressed = True

@@ -166,23 +166,12 @@ def free_running_op_makespan(s: Schedule) -> float:
     the time a runtime whose stages run freely would take for these ops, against which the lockstep program's
     `op_makespan` is measured."""
     n_virtual = s.n_stages * s.virtual_stages
-    made: dict[tuple[str, int, int], float] = {}
-    stage_free = [0.0] * s.n_stages
-    next_op = [0] * s.n_stages
-    while any(next_op[st] < len(s.ops[st]) for st in range(s.n_stages)):  # the orders are checked: no deadlock
-        for st, stage_ops in enumerate(s.ops):
-            while next_op[st] < len(stage_ops):
-                op = stage_ops[next_op[st]]
-                j = s.virtual_stage(op)
-                inputs = [made.get(key) for key in _inputs(op.kind, op.microbatch, j, n_virtual)]
-                if None in inputs:
-                    break
-                position = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
-                stage_free[st] = max([stage_free[st], *inputs]) + executor_op_units(KIND_CODE[op.kind], position,
-                                                                                    s.split_backward)
-                made[(op.kind, op.microbatch, j)] = stage_free[st]
-                next_op[st] += 1
-    return max(stage_free)
+
+    def cost(kind: str, j: int) -> int:
+        position = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
+        return executor_op_units(KIND_CODE[kind], position, s.split_backward)
+
+    return s.makespan_in(cost)
 
 
 @dataclass(frozen=True)
