@@ -13,6 +13,11 @@ in which Hopper's fp8 tensor cores run at full rate; the transposes are done on 
 once per call (the weight's once per step). Products accumulate in fp32; the result leaves in the
 compute dtype (fp32 where the caller asks, e.g. the logits).
 
+A weight is quantized once per step where the loss starts (`quantize_weight`, called by
+precision.cast_sites): its amax, scale and e4m3 values in its own layout come into the layers as a
+`QuantizedWeight`, and the forward transposes the 1-byte values. Quantized inside a rematerialized
+block, the backward's rerun of the block read the fp32 weight twice more (amax, then the cast).
+
 Scales are powers of two: dividing by one is exact, and so is rescaling the GEMM's rounded output,
 so the result is the fp32-accumulated product of the quantized values rounded once to the output
 dtype. A value v is stored as clip(v / s) in fp8 and stands for s * that.
@@ -27,8 +32,9 @@ dtype. A value v is stored as clip(v / s) in fp8 and stands for s * that.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import get_args, get_type_hints
+from typing import Callable, get_args, get_type_hints
 
 import jax
 import jax.numpy as jnp
@@ -116,26 +122,56 @@ def push_newest_of(history: jax.Array, pushed: jax.Array) -> jax.Array:
     return push_history(history, pushed[..., 0])
 
 
-def _tensor_scales(x, w, meta):
-    if meta is None:  # current scaling: this step's amax
-        return pow2_scale(amax(x), E4M3), pow2_scale(amax(w), E4M3)
-    return pow2_scale(jnp.max(meta["x"]), E4M3), pow2_scale(jnp.max(meta["w"]), E4M3)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A per-tensor fp8 site's weight as the layers read it, made once per step (`quantize_weight`). Stacked
+    layers stack every field on their leading axes, and a scan hands each layer its slice.
+
+    Only `master` is differentiated: the matmul returns the weight's gradient for it, and the forward
+    never reads it (the quantized fields are computed from it under stop_gradient)."""
+
+    master: jax.Array  # [*stack, *weight] the fp32 weight
+    q: jax.Array  # [*stack, *weight] master / scale in e4m3, the weight's own layout (K before N)
+    scale: jax.Array  # [*stack] a power of two
+    amax: jax.Array  # [*stack] this step's amax of master: the scale's source, or (delayed) pushed after use
+
+    def with_layout(self, fn: Callable[[jax.Array], jax.Array]) -> "QuantizedWeight":
+        """The same weight with `fn` (a reshape or transpose of the weight's dims) applied to both arrays."""
+        return replace(self, master=fn(self.master), q=fn(self.q))
 
 
-def per_tensor_matmul(x: jax.Array, w: jax.Array, meta: dict | None, out_dtype, cast: str = "xla") -> jax.Array:
+def quantize_weight(w: jax.Array, rank: int, history: jax.Array | None = None) -> QuantizedWeight:
+    """w [*stack, *weight] (`rank` the weight's own dims; a per-tensor scale for each leading index) quantized
+    to e4m3: scaled by this step's amax (current scaling), or by the max of `history` [*stack, H] (delayed)."""
+    amax_w = jnp.max(jnp.abs(w), axis=tuple(range(w.ndim - rank, w.ndim))).astype(jnp.float32)
+    scale = pow2_scale(amax_w if history is None else jnp.max(history, axis=-1), E4M3)
+    q = quantize(w, scale.reshape(scale.shape + (1,) * rank), E4M3)
+    return QuantizedWeight(w, *(lax.stop_gradient(a) for a in (q, scale, amax_w)))
+
+
+def _x_scale(x, meta):
+    return pow2_scale(amax(x) if meta is None else jnp.max(meta["x"]), E4M3)
+
+
+def per_tensor_matmul(x: jax.Array, w: jax.Array | QuantizedWeight, meta: dict | None, out_dtype,
+                      cast: str = "xla") -> jax.Array:
     """fp8 / fp8_delayed (meta = {"x", "w", "g": amax histories [H]}): x [*B, M, K] @ w [*B, K, N].
 
-    `cast` (CASTS) quantizes the operands: "xla" in jnp, which XLA fuses into their producers as it can;
-    "triton" or "interpret" with the one-pass kernel (pallas_kernels/fp8_cast.py: each operand read once,
-    both its layouts and, for delayed scaling, its amax written), compiled for the GPU or run in Triton's
-    interpreter. Same values either way; which is faster is measured in docs/PERFORMANCE.md.
+    `w` is the fp32 weight, or that weight quantized once per step (a QuantizedWeight, whose scale already
+    follows the recipe). `cast` (CASTS) quantizes the other operands: "xla" in jnp, which XLA fuses into their
+    producers as it can; "triton" or "interpret" with the one-pass kernel (pallas_kernels/fp8_cast.py: each
+    operand read once, both its layouts and, for delayed scaling, its amax written), compiled for the GPU or run
+    in Triton's interpreter. Same values either way; which is faster is measured in docs/PERFORMANCE.md.
 
     Under differentiation the cotangent returned for `meta` is the *next* histories (this step's
     amaxes pushed), so the step reads them from the gradient, as flax's fp8 ops do.
     """
     if cast not in CASTS:
         raise ValueError(f"cast must be one of {CASTS}; got {cast!r}")
-    return _per_tensor(x, w, meta, (jnp.dtype(out_dtype), x.dtype, w.dtype, cast))
+    prepared = isinstance(w, QuantizedWeight)
+    w_dtype = w.master.dtype if prepared else w.dtype
+    return _per_tensor(x, w, meta, (jnp.dtype(out_dtype), x.dtype, w_dtype, cast, prepared))
 
 
 def _both_layouts(a: jax.Array, scale: jax.Array, dtype, cast: str, with_amax: bool):
@@ -146,6 +182,15 @@ def _both_layouts(a: jax.Array, scale: jax.Array, dtype, cast: str, with_amax: b
     return cast_transpose(a, scale, dtype, amax=with_amax, interpret=cast == "interpret")
 
 
+def _weight_layouts(w, meta, cast: str):
+    """(w in e4m3 [K, N], the same [N, K], its scale, its amax if delayed scaling pushes it else None)."""
+    if isinstance(w, QuantizedWeight):
+        return w.q, _t(w.q), w.scale, w.amax
+    sw = pow2_scale(amax(w) if meta is None else jnp.max(meta["w"]), E4M3)
+    wq_kn, wq_nk, amax_w = _both_layouts(w, sw, E4M3, cast, meta is not None)
+    return wq_kn, wq_nk, sw, amax_w
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _per_tensor(x, w, meta, dtypes):
     return _per_tensor_fwd(x, w, meta, dtypes)[0]
@@ -153,10 +198,10 @@ def _per_tensor(x, w, meta, dtypes):
 
 def _per_tensor_fwd(x, w, meta, dtypes):
     out_dtype, cast = dtypes[0], dtypes[3]
-    sx, sw = _tensor_scales(x, w, meta)
+    sx = _x_scale(x, meta)
     delayed = meta is not None  # delayed scaling pushes this step's amaxes; current scaling had them for its scales
     xq_mk, xq_km, amax_x = _both_layouts(x, sx, E4M3, cast, delayed)
-    wq_kn, wq_nk, amax_w = _both_layouts(w, sw, E4M3, cast, delayed)
+    wq_kn, wq_nk, sw, amax_w = _weight_layouts(w, meta, cast)
     y = _scaled_nt(xq_mk, wq_nk, sx * sw, out_dtype)
     # Saved in fp8 (half of bf16), already laid out for the backward GEMMs.
     res = (xq_km, wq_kn, sx, sw, meta, amax_x, amax_w)
@@ -164,7 +209,7 @@ def _per_tensor_fwd(x, w, meta, dtypes):
 
 
 def _per_tensor_bwd(dtypes, res, g):
-    _, x_dtype, w_dtype, cast = dtypes
+    _, x_dtype, w_dtype, cast, prepared = dtypes
     xq_km, wq_kn, sx, sw, meta, amax_x, amax_w = res
     delayed = meta is not None
     sg = pow2_scale(jnp.max(meta["g"]) if delayed else amax(g), E5M2)
@@ -174,6 +219,8 @@ def _per_tensor_bwd(dtypes, res, g):
     new_meta = None if meta is None else {
         "x": push_history(meta["x"], amax_x), "w": push_history(meta["w"], amax_w),
         "g": push_history(meta["g"], amax_g)}
+    if prepared:  # the gradient reaches the fp32 master; the quantized fields have none
+        dw = QuantizedWeight(dw, None, None, None)
     return dx, dw, new_meta
 
 

@@ -98,7 +98,7 @@ class Precision:
             raise ValueError(f"site {site!r}: fp8_delayed needs its amax histories (meta); create them with "
                              f"model.layers.site_matmul or exclude the site")
         xc = self.cast(x)  # activations in the compute dtype; the weight is quantized from its fp32 master
-        x_mk, w_kn, unflatten = canonical(subscripts, xc, w)
+        x_mk, w_kn, unflatten = canonical(subscripts, xc, w)  # w: an array, or fp8.QuantizedWeight
         if recipe == "fp8_blockwise":
             y = fp8.blockwise_matmul(x_mk, w_kn, out_dtype)
         else:
@@ -124,17 +124,39 @@ class Precision:
                                   preferred_element_type=self.compute_dtype)
 
 
-def cast_sites(policy: Precision, params: Any) -> Any:
+# The rank of each layer site's own weight (model/transformer.py Attention: [D, H, E] and [H, E, D]; model/layers.py
+# SwiGLU: [D, F] and [F, D]): a stacked layer's leading dims beyond it each get their own per-tensor fp8 scale.
+# These sites reach their matmul through site_matmul, which takes a weight quantized once per step.
+QUANTIZED_ONCE_RANKS = {"attn.wq": 3, "attn.wk": 3, "attn.wv": 3, "attn.wo": 3, "mlp.w_gate": 2, "mlp.w_up": 2,
+                        "mlp.w_down": 2}
+
+
+def cast_sites(policy: Precision, params: Any, fp8_meta: Any = None, quantize_fp8: bool = False) -> Any:
     """Params with the weights of bf16 matmul sites (`attn/wq` is site `attn.wq`) in the compute dtype, as
-    the site would cast them; the rest (norm scales, the embedding, fp8 sites' fp32 masters) as they are.
+    the site would cast them; with `quantize_fp8`, the layer sites' weights under `fp8` or `fp8_delayed` also
+    quantized (fp8.quantize_weight; `fp8_meta`, the model's amax histories shaped as `params`, gives the
+    delayed scales); the rest (norm scales, the embedding, other fp8 sites' fp32 masters) as they are.
 
     Cast where the loss starts (once a microbatch) or where a pipeline stage starts (once a step), the copies
     serve the forward and the backward alike; cast inside a rematerialized block, a weight was cast again when
     the backward reran the block. A weight whose path does not name its site (the shared experts'
-    `shared/w_gate`) is cast where it is used, as before."""
+    `shared/w_gate`) is cast where it is used, as before. `quantize_fp8` is for callers whose sites take the
+    weight as site_matmul hands it over (not tp's rings, which move the fp32 or compute-dtype weight)."""
     def one(path, a):  # the module and the weight's name; a box's `.value` is not a name
-        site = ".".join([str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)][-2:])
-        return policy.cast(a) if site in MATMUL_SITES and policy.recipe(site) == "bf16" else a
+        keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+        site = ".".join(keys[-2:])
+        recipe = policy.recipe(site) if site in MATMUL_SITES else None
+        if recipe == "bf16":
+            return policy.cast(a)
+        if quantize_fp8 and recipe in ("fp8", "fp8_delayed") and site in QUANTIZED_ONCE_RANKS:
+            history = None
+            if recipe == "fp8_delayed":
+                history = fp8_meta
+                for key in keys:
+                    history = history[key]
+                history = history["w"]
+            return fp8.quantize_weight(a, QUANTIZED_ONCE_RANKS[site], history)
+        return a
 
     return jax.tree_util.tree_map_with_path(one, params)
 
@@ -172,9 +194,10 @@ def _wide_bwd(policy, subscripts, out_dtype, residuals, g):
 wide_result_einsum.defvjp(_wide_fwd, _wide_bwd)
 
 
-def canonical(subscripts: str, x: jax.Array, w: jax.Array):
+def canonical(subscripts: str, x: jax.Array, w: "jax.Array | fp8.QuantizedWeight"):
     """Rewrite `x @ w` given as "lhs,rhs->out" into x [*B, M, K] and w [*B, K, N] (B: dims in all
     three, K: contracted, M/N: kept from x/w), plus the map from the [*B, M, N] result back to `out`.
+    A QuantizedWeight has both its arrays rewritten.
 
     Dims keep their relative order, so for every site of the model (contraction dims last in x,
     first in w) the reshapes merge neighbouring dims and cost nothing.
@@ -187,13 +210,18 @@ def canonical(subscripts: str, x: jax.Array, w: jax.Array):
     free_w = [c for c in rhs if c not in lhs]
     if any(c not in out for c in free_x + free_w) or sorted(out) != sorted(batch + free_x + free_w):
         raise ValueError(f"einsum {subscripts!r}: a matmul site needs every non-contracted dim in the output")
-    size = dict(zip(lhs, x.shape)) | dict(zip(rhs, w.shape))
+    w_shape = w.q.shape if isinstance(w, fp8.QuantizedWeight) else w.shape
+    size = dict(zip(lhs, x.shape)) | dict(zip(rhs, w_shape))
     prod = lambda dims: math.prod(size[c] for c in dims)  # noqa: E731
     bshape = [size[c] for c in batch]
     x3 = jnp.transpose(x, [lhs.index(c) for c in batch + free_x + contract])
     x3 = x3.reshape(*bshape, prod(free_x), prod(contract))
-    w3 = jnp.transpose(w, [rhs.index(c) for c in batch + contract + free_w])
-    w3 = w3.reshape(*bshape, prod(contract), prod(free_w))
+
+    def w_kn(a: jax.Array) -> jax.Array:
+        a = jnp.transpose(a, [rhs.index(c) for c in batch + contract + free_w])
+        return a.reshape(*bshape, prod(contract), prod(free_w))
+
+    w3 = w.with_layout(w_kn) if isinstance(w, fp8.QuantizedWeight) else w_kn(w)
     natural = batch + free_x + free_w
 
     def unflatten(y: jax.Array) -> jax.Array:

@@ -22,9 +22,11 @@ import pytest
 from helpers import all_eqns, first_gradients, flatten, make_setup, single_device, tiny_config, train_losses
 from meshtrain.checkpoint import Checkpointer, abstract_state
 from meshtrain.config import FP8_EXCLUDE_DEFAULT, MATMUL_SITES, ConfigError, validate
+from meshtrain.model.layers import FP8_META
 from meshtrain.model.loss import cross_entropy_sum
-from meshtrain.precision import Precision
-from meshtrain.step.loss import loss_sum_fn
+from meshtrain.model.moe import LOSSES, METRICS
+from meshtrain.precision import Precision, cast_sites
+from meshtrain.step.loss import cross_entropy, loss_sum_fn
 from meshtrain.step.state import init_state, make_batches
 from meshtrain.step.train_step import make_train_step
 
@@ -250,3 +252,69 @@ def test_site_weights_are_cast_once_outside_the_recomputed_blocks():
     stacked = [e for e in casts if e.invars[0].aval.shape in sites]
     per_layer = [e for e in casts if (setup.cfg.model.n_layers, *e.invars[0].aval.shape) in sites]
     assert stacked and not per_layer, (len(stacked), [e.invars[0].aval.shape for e in per_layer])
+
+
+@pytest.fixture(scope="module", params=["fp8-scanned", "fp8-unrolled", "fp8_delayed-scanned", "fp8_delayed-unrolled"])
+def quantized_once(request):
+    """(setup, params, model state with random amax histories, one microbatch) of the tiny model under remat=full."""
+    recipe, stack = request.param.split("-")
+    setup = make_setup(single_device(tiny_config(f"precision.matmul={recipe}", "train.remat=full",
+                                                 f"model.scan_layers={stack == 'scanned'}",
+                                                 "precision.compute=bfloat16", "model.vocab_size=200")), 1)
+    state = init_state(setup)
+    leaves, tree = jax.tree.flatten(state.model_state)  # histories of 0 would make every delayed scale 1
+    keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
+    model_state = jax.tree.unflatten(tree, [jax.random.uniform(k, a.shape, minval=0.01, maxval=4.0)
+                                            for k, a in zip(keys, leaves)])
+    return setup, state.params, model_state, make_batches(setup).batch(0).microbatch(0)
+
+
+def site_loss(setup, mb, quantize_fp8: bool):
+    """The microbatch's loss as step/loss.py assembles it, with the fp8 weights quantized once or at their sites."""
+    model = setup.model
+
+    def loss(params, model_state):
+        sites = cast_sites(model.policy, params, model_state.get(FP8_META), quantize_fp8=quantize_fp8)
+        (h_btd, head_dv), _ = model.apply({"params": sites, **model_state}, mb.tokens, mb.positions,
+                                          mb.segment_ids, mutable=(LOSSES, METRICS))
+        return cross_entropy(model, h_btd, head_dv, mb.targets)[0]
+    return loss
+
+
+def test_fp8_weights_quantized_once_equal_quantized_at_their_sites(quantized_once):
+    """The same scales, the same e4m3 weights, the same GEMMs: loss, gradients and the next amax histories
+    (the histories' cotangent) are bit for bit those of the weights quantized inside each block."""
+    setup, params, model_state, mb = quantized_once
+    want, got = (jax.jit(jax.value_and_grad(site_loss(setup, mb, q), argnums=(0, 1)))(params, model_state)
+                 for q in (False, True))
+    assert float(got[0]) == float(want[0])
+    assert jax.tree.structure(got[1]) == jax.tree.structure(want[1])
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_fp8_weights_are_quantized_once_outside_the_recomputed_blocks(quantized_once):
+    """Under train.remat=full the backward reruns each block; the step's loss (step/loss.py) quantizes each layer
+    site's fp32 weight to e4m3 once, from the stacked (or each unrolled) weight, and no block quantizes one again;
+    quantized at their sites, the rerun quantized every weight a second time."""
+    setup, params, model_state, mb = quantized_once
+    loss = loss_sum_fn(setup.model)
+    weights = [(path, a) for path, a in jax.tree_util.tree_leaves_with_path(params["layers"])
+               if "norm" not in jax.tree_util.keystr(path)]  # wq wk wv wo w_gate w_up w_down, per layer or stacked
+    n_layers = setup.cfg.model.n_layers
+    layer_sizes = {a.size // (n_layers if setup.cfg.model.scan_layers else 1) for _, a in weights}
+
+    def quantized_weights(fn):
+        """The fp32 -> e4m3 casts of a layer weight: as stored (stacked or not), or one layer's as a site sees it
+        ([K, N]; the activations' shapes differ from every weight's)."""
+        jaxpr = jax.make_jaxpr(jax.grad(fn))(params).jaxpr
+        return [a.shape for a in (e.invars[0].aval for e in all_eqns(jaxpr) if e.primitive.name == "convert_element_type"
+                                  and e.params["new_dtype"] == jnp.float8_e4m3fn)
+                if a.dtype == jnp.float32 and (a.shape in {w.shape for _, w in weights}
+                                               or (a.ndim == 2 and a.size in layer_sizes))]
+
+    once = quantized_weights(lambda p: loss(p, mb, model_state)[0])
+    inside = quantized_weights(lambda p: site_loss(setup, mb, False)(p, model_state))
+    assert len(weights) in (7, 7 * n_layers)
+    assert sorted(once) == sorted(a.shape for _, a in weights), once
+    assert len(inside) == 2 * len(once), inside

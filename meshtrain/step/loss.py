@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtrain.data import Batch
+from meshtrain.model.layers import FP8_META
 from meshtrain.model.loss import cross_entropy_sum
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.transformer import Decoder
@@ -77,8 +78,11 @@ def loss_sum_fn(model: Decoder) -> LossSum:
     token count, token-weighted sums to log: `loss` the cross-entropy, and the model's sown metrics)."""
 
     def loss_sum(params, mb: Batch, model_state=None):
-        # The sites' compute-dtype weights made once, outside the rematerialized blocks (precision.cast_sites).
-        variables = {"params": cast_sites(model.policy, params), **(model_state or {})}
+        # The sites' compute-dtype (or fp8) weights made once, outside the rematerialized blocks
+        # (precision.cast_sites); tp's rings move the weights themselves, so their fp8 sites quantize inside.
+        model_state = model_state or {}
+        sites = cast_sites(model.policy, params, model_state.get(FP8_META), quantize_fp8=not model.exe.tp_ring)
+        variables = {"params": sites, **model_state}
         (h_btd, head_dv), sown = model.apply(variables, mb.tokens, mb.positions, mb.segment_ids,
                                              mutable=(LOSSES, METRICS))
         ce, n = cross_entropy(model, h_btd, head_dv, mb.targets)
