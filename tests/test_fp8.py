@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from meshtrain import fp8
-from meshtrain.precision import Precision
+from meshtrain.precision import Precision, cast_sites
 
 E4, E5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 U = {E4: 2.0 ** -4, E5: 2.0 ** -3}
@@ -326,18 +326,35 @@ def test_canonical_form_of_multi_dim_sites():
     np.testing.assert_allclose(got.reshape(6, 16), want, rtol=0, atol=float(fp32_accumulation_bound(aq, bq).max()))
 
 
-def recipe_grad_fn(recipe, shape=(2, 256, 512), d_out=384):
-    """jit(grad) of one fp8 site, fwd + bwd, and example operands."""
+def recipe_grad_fn(recipe, shape=(2, 256, 512), d_out=384, quantized_once=False):
+    """jit(grad) of one fp8 site, fwd + bwd, and example operands; `quantized_once`: the weight reaches the site
+    quantized where the loss starts (precision.cast_sites), as in the model's train step."""
     policy = Precision.from_names("bfloat16", matmul=recipe)
     meta = fp8.init_history(4) if recipe == "fp8_delayed" else None
     x = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (shape[-1], d_out), jnp.float32) * 0.02
 
     def loss(x, w, meta):
+        if quantized_once:
+            w = cast_sites(policy, {"mlp": {"w_up": w}}, {"mlp": {"w_up": meta}} if meta else None, True)["mlp"]["w_up"]
         y = policy.einsum("btd,df->btf", x, w, site="mlp.w_up", meta=meta)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x, w, meta)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
+def test_a_weight_quantized_once_gives_the_same_gradients(recipe):
+    """fp8.QuantizedWeight carries the scale and e4m3 values the site would make: dx, dw and the next histories are
+    bit for bit those of the weight quantized at the site (with histories that set other scales than 1)."""
+    grads = []
+    for once in (False, True):
+        fn, (x, w, meta) = recipe_grad_fn(recipe, quantized_once=once)
+        meta = meta and {k: jnp.asarray([0.3, 2.0, 0.0, 1.5]) * (i + 1) for i, k in enumerate(meta)}
+        grads.append(fn(x, w, meta))
+    assert jax.tree.structure(grads[0]) == jax.tree.structure(grads[1])
+    for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0])):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 CUBLAS_F8 = ('%gemm = (bf16[4096,4096]{1,0}, s8[33554432]{0}) custom-call(f8e4m3fn[4096,8192]{1,0} %x, '
@@ -362,12 +379,13 @@ def test_gemm_report_reads_kinds_and_k_major():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantized_once", [False, True], ids=["at-the-site", "quantized-once"])
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_delayed"])
-def test_gpu_program_runs_fp8_gemms_k_major(recipe):
+def test_gpu_program_runs_fp8_gemms_k_major(recipe, quantized_once):
     """The optimized GPU program runs the three GEMMs on fp8 operands (cuBLASLt fp8 calls or f8 dots), K-major,
-    not fp8 values dequantized into bf16 GEMMs."""
+    not fp8 values dequantized into bf16 GEMMs; also with the weight quantized once, ahead of the site."""
     from meshtrain.planning.hlo import gemm_report
-    fn, args = recipe_grad_fn(recipe, shape=(4, 1024, 2048), d_out=4096)
+    fn, args = recipe_grad_fn(recipe, shape=(4, 1024, 2048), d_out=4096, quantized_once=quantized_once)
     report = gemm_report(fn.lower(*args).compile().as_text())
     assert report["fp8"] == 3, report
     assert report["fp8_not_k_major"] == 0, report

@@ -329,9 +329,9 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     layer_weights = 4 * sum(t.elems / (t.tp * t.ep) for t in tensors if t.layer) / m.n_layers
 
     params = 4 * p_res
-    # Not counted: the sites' compute-dtype copies the step makes once where the loss starts (precision.cast_sites).
-    # They replaced per-layer copies inside the blocks, and on GPUs the peak did not move with them (OLMoE at ep=2,
-    # 51.9 GiB before and after, docs/PERFORMANCE.md): the peak is not where they live.
+    # Not counted: the sites' compute-dtype (or e4m3) copies the step makes once where the loss starts
+    # (precision.cast_sites). They replaced per-layer copies inside the blocks, and on GPUs the peak did not move with
+    # them (OLMoE at ep=2, 51.9 GiB before and after; the 8B-shaped fp8 step 51.6 and 52.1 GiB, docs/PERFORMANCE.md).
     if lay.zero_stage >= 3:  # one layer gathered for its forward/backward (the scan gathers per layer)
         params += layer_weights
     if g["pp"] > 1:  # the copy of the stage's layer weights its ops read (memory_pipeline): cast to the compute
