@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, get_args, get_type_hints
+from typing import Any, Callable, get_args, get_type_hints
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +139,13 @@ class QuantizedWeight:
     def with_layout(self, fn: Callable[[jax.Array], jax.Array]) -> "QuantizedWeight":
         """The same weight with `fn` (a reshape or transpose of the weight's dims) applied to both arrays."""
         return replace(self, master=fn(self.master), q=fn(self.q))
+
+
+def master_grads(grads: Any) -> Any:
+    """A gradient of params holding QuantizedWeights -> the same with each one's master gradient in its place,
+    shaped as the params were before precision.cast_sites quantized them."""
+    return jax.tree.map(lambda g: g.master if isinstance(g, QuantizedWeight) else g, grads,
+                        is_leaf=lambda g: isinstance(g, QuantizedWeight))
 
 
 def quantize_weight(w: jax.Array, rank: int, history: jax.Array | None = None) -> QuantizedWeight:

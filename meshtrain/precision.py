@@ -133,9 +133,9 @@ QUANTIZED_ONCE_RANKS = {"attn.wq": 3, "attn.wk": 3, "attn.wv": 3, "attn.wo": 3, 
 
 def cast_sites(policy: Precision, params: Any, fp8_meta: Any = None, quantize_fp8: bool = False) -> Any:
     """Params with the weights of bf16 matmul sites (`attn/wq` is site `attn.wq`) in the compute dtype, as
-    the site would cast them; with `quantize_fp8`, the layer sites' weights under `fp8` or `fp8_delayed` also
-    quantized (fp8.quantize_weight; `fp8_meta`, the model's amax histories shaped as `params`, gives the
-    delayed scales); the rest (norm scales, the embedding, other fp8 sites' fp32 masters) as they are.
+    the site would cast them; with `quantize_fp8`, the layer sites' weights under `fp8` also quantized
+    (fp8.quantize_weight), and under `fp8_delayed` too where `fp8_meta` (the model's amax histories, shaped as
+    `params`) gives their scales; the rest (norm scales, the embedding, other fp8 sites' fp32 masters) as they are.
 
     Cast where the loss starts (once a microbatch) or where a pipeline stage starts (once a step), the copies
     serve the forward and the backward alike; cast inside a rematerialized block, a weight was cast again when
@@ -148,15 +148,16 @@ def cast_sites(policy: Precision, params: Any, fp8_meta: Any = None, quantize_fp
         recipe = policy.recipe(site) if site in MATMUL_SITES else None
         if recipe == "bf16":
             return policy.cast(a)
-        if quantize_fp8 and recipe in ("fp8", "fp8_delayed") and site in QUANTIZED_ONCE_RANKS:
-            history = None
-            if recipe == "fp8_delayed":
-                history = fp8_meta
-                for key in keys:
-                    history = history[key]
-                history = history["w"]
-            return fp8.quantize_weight(a, QUANTIZED_ONCE_RANKS[site], history)
-        return a
+        if not quantize_fp8 or site not in QUANTIZED_ONCE_RANKS or recipe not in ("fp8", "fp8_delayed"):
+            return a
+        if recipe == "fp8":
+            return fp8.quantize_weight(a, QUANTIZED_ONCE_RANKS[site])
+        if fp8_meta is None:  # a delayed scale needs the histories as they stand: the site reads them itself
+            return a
+        history = fp8_meta
+        for key in keys:
+            history = history[key]
+        return fp8.quantize_weight(a, QUANTIZED_ONCE_RANKS[site], history["w"])
 
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -118,3 +118,16 @@ def test_estimate_within_10_percent_of_xla(reports):
             bad.append(line)
     assert not bad, ("estimate vs memory_analysis() off by more than 10% (or the state by more than 0.1% of the "
                      "arguments):\n" + "\n".join(bad) + "\n\nall layouts:\n" + "\n".join(rows))
+
+
+@pytest.mark.parametrize("n, over", [
+    (2, ["mesh.pp=2", "pipeline.schedule=1f1b", "train.remat=save_dots"]),
+    (4, ["mesh.pp=2", "mesh.fsdp=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "train.remat=none"]),
+], ids=["pp2_1f1b_save_dots", "pp2_fsdp2_interleaved_none"])
+def test_pipeline_fp8_estimate_within_10_percent_of_xla(n, over):
+    """Under `fp8` (current scaling) the stages quantize their chunks' weights once a step (ops.chunk_weights), where
+    the grid's fp8_delayed rows quantize per op: the estimate counts each its own way."""
+    cfg, mesh = validated_mesh(build_config({}, SHAPE + over + ["train.grad_accum=4", "precision.matmul=fp8"]), n)
+    report = compile_step(cfg, mesh)
+    est = estimate(cfg, Layout.of(cfg), attention_kind(report.execution), backend="cpu")
+    assert abs(est.total / report.memory["peak_bytes"] - 1) <= TOLERANCE, (est.total, report.memory["peak_bytes"])

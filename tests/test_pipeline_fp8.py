@@ -1,5 +1,6 @@
-"""fp8_delayed inside pipeline stages: each chunk's amax histories travel in its stage's carry and every
-microbatch's amaxes are pushed onto them, in order (step/pipeline/executor.py).
+"""fp8 inside pipeline stages. fp8_delayed: each chunk's amax histories travel in its stage's carry and every
+microbatch's amaxes are pushed onto them, in order (step/pipeline/executor.py). fp8 (current scaling): the chunks'
+weights quantized once a step (below).
 
 Against one device running the same microbatches by the scan. The two differ by design in one thing: the scan's
 forward of microbatch i reads histories that already hold microbatch i-1's amaxes, a pipeline runs forwards of
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import flatten, make_setup, model_order_grad_fn, single_device, tiny_config
+from helpers import first_gradients, flatten, make_setup, model_order_grad_fn, single_device, tiny_config
 from meshtrain.step.accumulate import make_grad_fn
 from meshtrain.step.state import init_state, make_batches
 from meshtrain.step.train_step import make_train_step
@@ -70,3 +71,28 @@ def test_fp8_delayed_in_the_stages_matches_one_device(case, reference):
     for name, w in want_state.items():
         np.testing.assert_allclose(got_state[name], w, rtol=2e-2, err_msg=name)
         assert not np.array_equal(w, flatten(reference["model_state"])[name]), f"{name}: the step must move it"
+
+
+# Current scaling (`fp8`) in the stages: the chunks' weights are quantized once a step (ops.chunk_weights), each
+# activation and gradient per microbatch from its own amax, as the scan does; fp32 compute, so the scales and fp8
+# operands are the one device's and the first gradients agree to 1e-5 of each tensor's largest entry (as
+# tests/test_precision_model.py's sharded fp8 against one device). interleaved has middle chunks (a B of their own);
+# zb_h1 at pp=4 splits their backward, whose W finds no tapped site: every layer site is an fp8 one.
+CURRENT = ["model.n_layers=8", "model.d_model=32", "model.d_ff=64", "model.vocab_size=64", "data.seq_len=8",
+           "precision.matmul=fp8", "train.grad_accum=8", "train.global_batch=32"]
+CURRENT_CASES = {
+    "interleaved-v2-pp2-fsdp4": ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "mesh.pp=2",
+                                 "mesh.fsdp=4"],
+    "zb_h1-pp4-fsdp2": ["pipeline.schedule=zb_h1", "mesh.pp=4", "mesh.fsdp=2"],
+}
+
+
+@pytest.mark.parametrize("case", list(CURRENT_CASES))
+def test_fp8_in_the_stages_with_weights_quantized_once_matches_one_device(case):
+    want = flatten(first_gradients(make_setup(single_device(tiny_config(*CURRENT)), 1)))
+    got = flatten(first_gradients(make_setup(tiny_config(*CURRENT, *CURRENT_CASES[case]), 8)))
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        scale = float(np.max(np.abs(w)))
+        assert scale > 0, name
+        np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-5 * scale, err_msg=name)

@@ -70,7 +70,6 @@ from meshtrain import fp8
 from meshtrain.data import Batch
 from meshtrain.model.layers import FP8_META
 from meshtrain.model.transformer import stacked_layers, unrolled_layers
-from meshtrain.precision import cast_sites
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
@@ -132,7 +131,7 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         # in and out of the [v, ...] stack at every op). The stored shard holds them in order (layout.py).
         blocks = split_blocks(layers, v)
         meta_c = split_blocks(meta_layers, v)  # fp8_delayed histories, or {} per chunk
-        weights_c = [chunk_weights(model, cast_sites(model.policy, lp), k) for lp in blocks]  # made once a step
+        weights_c = [chunk_weights(model, lp, k) for lp in blocks]  # made once a step
         b, t = batch.tokens.shape[1:]
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
@@ -172,7 +171,8 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
                     stash = [buf if a is None else lax.dynamic_update_index_in_dim(buf, a, me["stash_slot"], 0)
                              for buf, a in zip(stash, out.kept)]
                 if out.d_layers is not None:  # accumulate into this chunk's gradients
-                    g = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), g_layers[c], out.d_layers)
+                    d_layers = fp8.master_grads(out.d_layers)
+                    g = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), g_layers[c], d_layers)
                     g_layers = [*g_layers[:c], lax.with_sharding_constraint(g, g_layer_sh), *g_layers[c + 1:]]
                 if out.d_shared is not None:
                     g_shared = lax.with_sharding_constraint(jax.tree.map(jnp.add, g_shared, out.d_shared),

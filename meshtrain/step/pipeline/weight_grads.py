@@ -34,13 +34,13 @@ def weight_grad(x: jax.Array, dy: jax.Array, w: jax.Array) -> jax.Array:
 def site_weight_grads(layers: Any, inputs: Any, grads: Any) -> Any:
     """A gradient shaped like `layers`: each tapped site's weight gradient from its input (`inputs`, named by the
     weights that read it, "wq+wk+wv") and its output's gradient (`grads`, named like the weight); zeros elsewhere
-    (B computed those)."""
+    (B computed those; a quantized fp8 weight's zeros are a QuantizedWeight of them)."""
     grad_of = traverse_util.flatten_dict(grads)
     input_of = {(*path[:-1], name): x for path, x in traverse_util.flatten_dict(inputs).items()
                 for name in path[-1].split("+")}
     flat = traverse_util.flatten_dict(layers)
     return traverse_util.unflatten_dict({
-        path: weight_grad(input_of[path], grad_of[path], w) if path in grad_of else jnp.zeros_like(w)
+        path: weight_grad(input_of[path], grad_of[path], w) if path in grad_of else jax.tree.map(jnp.zeros_like, w)
         for path, w in flat.items()})
 
 
