@@ -237,7 +237,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every run, e.g. "
                     "precision.fp8_exclude=moe.* (lm_head in fp8)")
     ap.add_argument("--one", nargs=2, metavar=("SHAPE", "RECIPE"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # overrides may stand before and after the options
     if a.profile:
         from meshtrain.config import profile_range  # no jax: the parent only launches the runs
 

@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
                                                       "block_m=64,block_k=32,num_warps=4")
     ap.add_argument("--gemm-impls", default="pallas,ragged_dot", help="--moe-gemm: which to time")
     ap.add_argument("overrides", nargs="*", help="section.key=value applied to every row")
-    return ap.parse_args()
+    return ap.parse_intermixed_args()  # overrides may stand before and after the options
 
 
 def base_overrides(a: argparse.Namespace) -> list[str]:

@@ -45,7 +45,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.n_layers=16")
-    return ap.parse_args()
+    return ap.parse_intermixed_args()  # overrides may stand before and after the options
 
 
 def main() -> None:

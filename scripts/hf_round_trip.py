@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--fixture", default=str(ROOT / "tests" / "fixtures" / "hf" / "llama31_tied"))
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="for the training run (the mesh, ...)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may stand before and after the options
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
