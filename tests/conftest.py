@@ -44,17 +44,17 @@ COSTLIEST_FILES_FIRST = (
     "test_pipeline.py",  # ~650 s (2026-11-27)
     "test_moe_equivalence.py",  # ~500
     "test_readme_commands.py",  # 433: 22 commands, one after the other
-    "test_precision_model.py",  # 321
+    "test_precision_model.py",  # ~360 (2026-11-27, with the fp8 weights quantized once)
     "test_context_parallel.py",  # 299
     "test_equivalence.py",  # 292
     "test_resume.py",  # 285
     "test_train_step.py",  # 240
     "test_slurm.py",  # 145-205 on a shared machine, + ~30 s of apt-get on a fresh one
-    "test_memory_grid.py",  # 140-170: 16 layouts compiled ahead of time
+    "test_pipeline_fp8.py",  # ~160-200 (fp8_delayed, and fp8 quantized once)
+    "test_memory_grid.py",  # 170-200: 18 layouts compiled ahead of time
     "test_data_sources.py",  # ~130 (its 1,000-step resumed run: 108)
     "test_planning.py",  # 118
     "test_kernels_in_model.py",  # 116
-    "test_pipeline_fp8.py",  # ~110
     "test_optimizers.py",  # ~100
     "test_tracking.py",  # 75-115 on a shared machine
     "test_pipeline_moe_resume.py",  # ~80

@@ -224,9 +224,10 @@ class PrecisionConfig:
     fp8_amax_history: int = 16  # fp8_delayed: steps of amax history the scale is taken from
     fp8_exclude: str = ",".join(FP8_EXCLUDE_DEFAULT)  # comma-separated MATMUL_SITES patterns (fnmatch) kept plain
     # fp8 / fp8_delayed: how an activation or gradient becomes fp8 in both layouts its GEMMs read (the layer sites'
-    # weights are quantized once a step by XLA either way). xla: jnp casts that XLA fuses into their producers;
-    # triton: one pass of the kernel (pallas_kernels/fp8_cast.py; on a CPU, Triton's interpreter): faster alone,
-    # 1.8% faster in an unrolled step without recomputation, slower in a scanned save_dots one (docs/PERFORMANCE.md).
+    # weights are quantized once a step by XLA, fp8_delayed's in pipeline stages excepted). xla: jnp casts that XLA
+    # fuses into their producers; triton: one pass of the kernel (pallas_kernels/fp8_cast.py; on a CPU, Triton's
+    # interpreter): faster alone, 1.8% faster in an unrolled step without recomputation, slower in a scanned
+    # save_dots one (docs/PERFORMANCE.md).
     fp8_cast: Literal["xla", "triton"] = "xla"
 
 
