@@ -73,16 +73,21 @@ def sown_means(tree: Any) -> dict[str, jax.Array]:
     return {k: total / count for k, (total, count) in sown_sums(tree).items()}
 
 
+def site_weights(model: Decoder, params: Any, fp8_meta: Any = None) -> Any:
+    """The params as the model's matmul sites read them, made once, outside the rematerialized blocks: where a
+    microbatch's loss starts, or a pipeline stage's step (step/pipeline/ops.py chunk_weights). The bf16 sites'
+    weights in the compute dtype, the fp8 ones quantized (precision.cast_sites), except under tp's rings, which
+    move the weights themselves: their fp8 sites quantize inside."""
+    return cast_sites(model.policy, params, fp8_meta, quantize_fp8=not model.exe.tp_ring)
+
+
 def loss_sum_fn(model: Decoder) -> LossSum:
     """The whole model's loss of one microbatch: (params, mb, model_state) -> (objective sum, labelled
     token count, token-weighted sums to log: `loss` the cross-entropy, and the model's sown metrics)."""
 
     def loss_sum(params, mb: Batch, model_state=None):
-        # The sites' compute-dtype (or fp8) weights made once, outside the rematerialized blocks
-        # (precision.cast_sites); tp's rings move the weights themselves, so their fp8 sites quantize inside.
         model_state = model_state or {}
-        sites = cast_sites(model.policy, params, model_state.get(FP8_META), quantize_fp8=not model.exe.tp_ring)
-        variables = {"params": sites, **model_state}
+        variables = {"params": site_weights(model, params, model_state.get(FP8_META)), **model_state}
         (h_btd, head_dv), sown = model.apply(variables, mb.tokens, mb.positions, mb.segment_ids,
                                              mutable=(LOSSES, METRICS))
         ce, n = cross_entropy(model, h_btd, head_dv, mb.targets)

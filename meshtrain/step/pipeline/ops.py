@@ -51,8 +51,7 @@ from meshtrain.model.loss import label_count
 from meshtrain.model.moe import LOSSES, METRICS
 from meshtrain.model.layers import FP8_META, SITE_GRADS, SITE_INPUTS
 from meshtrain.model.transformer import RESIDUAL, Decoder, seq_info, unrolled_layers
-from meshtrain.precision import cast_sites
-from meshtrain.step.loss import aux_loss, cross_entropy, objective, sown_sums
+from meshtrain.step.loss import aux_loss, cross_entropy, objective, site_weights, sown_sums
 from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, MID, W
 from meshtrain.step.pipeline.weight_grads import site_weight_grads, without_site_grads
 
@@ -148,15 +147,14 @@ class Stash:
 
 def chunk_weights(decoder: Decoder, layers: Any, n_layers: int) -> Any:
     """What the ops read as a chunk's layer params: its stacked layers [k, ...] with the bf16 sites cast and the
-    `fp8` sites quantized (`cast_sites`, once per step; an `fp8_delayed` site reads its histories as they stand at
-    each op, so it quantizes there) and taken apart into `layer_i` subtrees, once per step too. The ops run the
-    chunk's layers one by one (an unrolled stack): a scanned chunk slices every layer's weights and stacks every
-    layer's residuals and gradients inside its loop, and on GPUs those slices and stacks were copies (the
-    one-GPU 1B step at 8 microbatches of one sequence: 496 ms scanned, 358 ms unrolled, docs/PERFORMANCE.md).
+    `fp8` sites quantized (step/loss.py `site_weights`, once per step; an `fp8_delayed` site reads its histories
+    as they stand at each op, so it quantizes there) and taken apart into `layer_i` subtrees, once per step too.
+    The ops run the chunk's layers one by one (an unrolled stack): a scanned chunk slices every layer's weights and
+    stacks every layer's residuals and gradients inside its loop, and on GPUs those slices and stacks were copies
+    (the one-GPU 1B step at 8 microbatches of one sequence: 496 ms scanned, 358 ms unrolled, docs/PERFORMANCE.md).
     The gradients come back in the same `layer_i` form (a quantized weight's as its fp8.QuantizedWeight, whose
     master holds it: fp8.master_grads); the executor stacks them once at the end of the step."""
-    sites = cast_sites(decoder.policy, layers, quantize_fp8=not decoder.exe.tp_ring)
-    return unrolled_layers(sites, n_layers, decoder.every)
+    return unrolled_layers(site_weights(decoder, layers), n_layers, decoder.every)
 
 
 def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...], middle: bool = True,
