@@ -77,16 +77,18 @@ def test_each_schedule_trains(tiny, schedule):
 
 def stacked_weights(seed: int, **logical: P) -> tuple[dict, dict]:
     """A params-like tree of random weights in the tiny model's shapes, by their logical names."""
-    sizes = {"layers": 2, "embed": 64, "heads": 4, "head_dim": 16, "mlp": 128, "vocab": 128}
+    sizes = {"layers": 2, "embed": 64, "heads": 4, "head_dim": 16, "mlp": 128, "vocab": 128,
+             "down_mlp": 128, "down_embed": 64}
     keys = jax.random.split(jax.random.key(seed), len(logical))
     return {name: jax.random.normal(k, tuple(sizes[n] for n in spec)) for k, (name, spec) in zip(keys, logical.items())}, logical
 
 
 def test_muon_orthogonalizes_each_layer_matrix_alone():
     """The update of a stacked weight [L, ...] is optax's 2-D Muon of each layer's matrix: wq's [D, H, E]
-    as D x (H*E) (embed first: the input side), w_down's [F, D] as it is (embed last: the output side)."""
+    as D x (H*E) (embed first: the input side), w_down's [F, D] as it is (down_embed last: the output side)."""
     t = tiny_config("train.optimizer=muon", "train.grad_clip=0", "train.weight_decay=0").train
-    grads, logical = stacked_weights(0, wq=P("layers", "embed", "heads", "head_dim"), w_down=P("layers", "mlp", "embed"))
+    grads, logical = stacked_weights(0, wq=P("layers", "embed", "heads", "head_dim"),
+                                     w_down=P("layers", "down_mlp", "down_embed"))
     as_matrix = {"wq": lambda g: g.reshape(g.shape[0], -1), "w_down": lambda g: g}
     reference = optax.contrib.muon(lr_schedule(t), consistent_rms=MUON_CONSISTENT_RMS)  # every leaf a 2-D matrix
     per_layer = {(name, layer): as_matrix[name](g[layer]) for name, g in grads.items() for layer in range(g.shape[0])}
@@ -125,8 +127,8 @@ def test_muon_leaves_the_rest_to_adamw():
 def test_muon_dimension_numbers_from_logical_names():
     dims = lambda *names: muon_dimension_numbers(P(*names))  # noqa: E731
     assert dims("layers", "embed", "heads", "head_dim") == ((1,), (2, 3))
-    assert dims("layers", "heads", "head_dim", "embed") == ((1, 2), (3,))
-    assert dims("layers", "experts", "mlp", "embed") == ((2,), (3,))
+    assert dims("layers", "o_heads", "head_dim", "o_embed") == ((1, 2), (3,))
+    assert dims("layers", "experts", "down_mlp", "down_embed") == ((2,), (3,))
     assert dims("embed", "mlp") == ((0,), (1,))  # an unrolled stack's layer
     for not_a_block_matrix in (("vocab", "embed"), ("embed", "vocab"), ("layers", "embed"), ("embed",),
                                ("layers", "embed", None)):  # embedding, head, norm scales, MoE router

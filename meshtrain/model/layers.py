@@ -193,7 +193,7 @@ class SwiGLU(nn.Module):
         init = scaled_normal(c.init_std)
         w_gate_df = param(self, "w_gate", init, (c.d_model, c.d_ff), ("embed", "mlp"), p.param_dtype)
         w_up_df = param(self, "w_up", init, (c.d_model, c.d_ff), ("embed", "mlp"), p.param_dtype)
-        w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("mlp", "embed"),
+        w_down_fd = param(self, "w_down", scaled_normal(self.out_std), (c.d_ff, c.d_model), ("down_mlp", "down_embed"),
                           p.param_dtype)
         ring = self.ring
         if ring:
@@ -208,7 +208,7 @@ class SwiGLU(nn.Module):
         hidden_btf = checkpoint_name(hidden_btf, "mlp_hidden")
         if ring:
             out_btd = scattered_site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd, HIDDEN,
-                                            ("mlp", "embed"))
+                                            ("down_mlp", "down_embed"))
         else:
             out_btd = site_matmul(self, "mlp.w_down", "btf,fd->btd", hidden_btf, w_down_fd)
         (out_btd,) = tap_sites(self, hidden_btf, ("mlp.w_down",), (out_btd,))

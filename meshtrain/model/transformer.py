@@ -74,7 +74,7 @@ class Attention(nn.Module):
         wq_dhe = param(self, "wq", init, (d, h, e), ("embed", "heads", "head_dim"), p.param_dtype)
         wk_dke = param(self, "wk", init, (d, k, e), ("embed", "kv_heads", "head_dim"), p.param_dtype)
         wv_dke = param(self, "wv", init, (d, k, e), ("embed", "kv_heads", "head_dim"), p.param_dtype)
-        wo_hed = param(self, "wo", scaled_normal(self.out_std), (h, e, d), ("heads", "head_dim", "embed"),
+        wo_hed = param(self, "wo", scaled_normal(self.out_std), (h, e, d), ("o_heads", "head_dim", "o_embed"),
                        p.param_dtype)
 
         ring = self.exe.tp_ring and not self.decode
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         o_bthe = checkpoint_name(r.constrain(o_bthe, Q), "attn_out")
         if ring:
             out_btd = scattered_site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed, Q,
-                                            ("heads", "head_dim", "embed"))
+                                            ("o_heads", "head_dim", "o_embed"))
         else:
             out_btd = site_matmul(self, "attn.wo", "bthe,hed->btd", o_bthe, wo_hed)
         (out_btd,) = tap_sites(self, o_bthe, ("attn.wo",), (out_btd,))

@@ -68,7 +68,7 @@ from meshtrain.sharding import ShardingRules, only_axes
 # The expert weights' logical names (model/moe.py declares its parameters with them): whole experts
 # over ep, each expert's hidden width over tp as in a dense FFN.
 W_IN = ("experts", "embed", "mlp")  # w_gate, w_up [X, D, F]
-W_OUT = ("experts", "mlp", "embed")  # w_down [X, F, D]
+W_OUT = ("experts", "down_mlp", "down_embed")  # w_down [X, F, D]
 
 
 # The tokens as the block holds them [B, T, ...]: the batch over dp/fsdp/ep, the sequence over cp/sp.

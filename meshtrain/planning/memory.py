@@ -103,7 +103,7 @@ class Tensor:
 
     elems: int
     tp: int = 1  # divisor from tensor parallelism
-    embed: bool = True  # has an `embed` dim (ZeRO-3 shards it over fsdp)
+    embed: bool = True  # ZeRO-3 shards it over fsdp (sharding.py says along which dim)
     layer: bool = True  # in the layer stack (pp shards it)
     ep: int = 1  # divisor from expert parallelism
     routed: bool = False  # a routed expert's weights (memory_moe counts what their region keeps)

@@ -32,7 +32,8 @@ MUON_CONSISTENT_RMS = 0.2
 MATRIX_BATCH_AXES = ("layers", "experts")
 # The logical axes a block's matmul weight is made of; a weight with another axis (vocab, an unnamed one)
 # is not one of the blocks' hidden matrices.
-MATRIX_AXES = frozenset({"embed", "heads", "kv_heads", "head_dim", "mlp"})
+MATRIX_AXES = frozenset({"embed", "heads", "kv_heads", "head_dim", "mlp", "o_heads", "o_embed", "down_mlp",
+                         "down_embed"})
 
 
 def make_optimizer(t: TrainConfig, logical: Any) -> optax.GradientTransformation:
@@ -82,8 +83,8 @@ def muon_dimension_numbers(names: P) -> optax.contrib.MuonDimensionNumbers | Non
     them, so each layer's (and each expert's) matrix is orthogonalized on its own, exactly as an unrolled
     stack would be. Of the axes left, the model's own order says which side is the input: `embed` first
     is a projection out of the residual stream (wq [D, H, E], w_up [D, F]: reduction D, output the rest),
-    `embed` last is one back into it (wo [H, E, D], w_down [F, D]: reduction the rest, output D). So the
-    attention projections are orthogonalized as whole D x (H*E) matrices, not head by head.
+    `o_embed` or `down_embed` last is one back into it (wo [H, E, D], w_down [F, D]: reduction the rest,
+    output D). So the attention projections are orthogonalized as whole D x (H*E) matrices, not head by head.
     """
     names = tuple(names)
     n_batch = next((i for i, n in enumerate(names) if n not in MATRIX_BATCH_AXES), len(names))
@@ -93,6 +94,6 @@ def muon_dimension_numbers(names: P) -> optax.contrib.MuonDimensionNumbers | Non
     axes = tuple(range(n_batch, len(names)))
     if rest[0] == "embed":
         return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:1], output_axis=axes[1:])
-    if rest[-1] == "embed":
+    if rest[-1] in ("o_embed", "down_embed"):
         return optax.contrib.MuonDimensionNumbers(reduction_axis=axes[:-1], output_axis=axes[-1:])
     return None
