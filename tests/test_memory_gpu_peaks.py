@@ -6,7 +6,8 @@ The pp=2 rows are XLA:GPU's memory_analysis() peaks on H100s (2026-11-27, jax 0.
 17.59 GiB where the last chunk keeps everything (pipeline.last_chunk_remat=auto), 17.43-17.46 where it did not.
 Two more layouts ran out of memory at 0.95 of an H200 (134 GiB): the estimate must put them above what they had.
 Sources: docs/PERFORMANCE.md, 2026-11-27 (the planner and the memory estimate against four H200s:
-`scripts/bench_plan.py --set calibration` and `--plan-top 3`; the OLMoE row from "OLMoE at ep=2"). Pure
+`scripts/bench_plan.py --set calibration` and `--plan-top 3`; the OLMoE row from "OLMoE at ep=2"), and 2026-11-28
+for configs/llama3_8b_2xh200.yaml (the allocator's peak in `scripts/bench_step.py`). Pure
 arithmetic: nothing is compiled here.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from meshtrain.resolve import resolve
 
 GIB = 2.0**30
 LLAMA1B, LLAMA8B, OLMOE = "configs/llama1b_h100.yaml", "configs/llama3_8b_fsdp.yaml", "configs/olmoe_1b7b_ep2.yaml"
+LLAMA8B_2X = "configs/llama3_8b_2xh200.yaml"
 PP2 = ["mesh.pp=2", "mesh.fsdp=1", "pipeline.schedule=1f1b", "train.grad_accum=8", "model.scan_layers=true"]
 B8 = ["train.global_batch=8"]
 
@@ -38,6 +40,9 @@ MEASURED = {
         LLAMA8B, B8 + ["train.remat=none", "train.grad_accum=4", "mesh.fsdp=1", "mesh.tp=2", "train.zero_stage=0"],
         2, 118.0),
     "OLMoE-1B-7B config, ep=2": (OLMOE, [], 2, 65.8),
+    # 2026-11-28 (docs/PERFORMANCE.md, "Llama-3-8B on two H200s"): unrolled, ZeRO along the rows
+    "Llama-3-8B 2xH200 config, 5 sequences a GPU": (LLAMA8B_2X, [], 2, 127.2),
+    "Llama-3-8B 2xH200 config, 4 sequences a GPU": (LLAMA8B_2X, B8, 2, 112.8),
 }
 
 
