@@ -20,7 +20,8 @@ that write back into it (wo [H, E, D]: `o_heads`, w_down [F, D]: `down_mlp`). Sp
 `embed` instead, a row-parallel weight's gradient is reduce-scattered in a transposed layout and the
 optimizer's update of it becomes a transposing kernel: on Llama-3-8B at fsdp=2, 1.1 ms a layer a step
 (docs/PERFORMANCE.md). Where its leading dim does not divide over tp x fsdp, a row-parallel weight falls
-back to its `embed` dim (`o_embed`, `down_embed`).
+back to its `embed` dim (`o_embed`, `down_embed`). The embedding table [V, D] keeps its `embed` split: its
+gradient is summed along V before it is moved there (model/embedding.py).
 """
 from __future__ import annotations
 
