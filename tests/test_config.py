@@ -328,11 +328,16 @@ def test_yaml_file_with_overrides_and_errors(tmp_path):
         load_config(path)
 
 
+# The device count a shipped config is written for, where that is not any count: 5 sequences a GPU over two GPUs.
+WRITTEN_FOR = {"llama3_8b_2xh200.yaml": 2}
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_configs_load_and_validate(name):
     cfg = load_config(REPO / "configs" / name)
-    degrees = validate(cfg, N_DEVICES)
-    assert math.prod(degrees.values()) == N_DEVICES  # every axis, ep included (the MoE config's -1)
+    n_devices = WRITTEN_FOR.get(name, N_DEVICES)
+    degrees = validate(cfg, n_devices)
+    assert math.prod(degrees.values()) == n_devices  # every axis, ep included (the MoE config's -1)
 
 
 @pytest.mark.parametrize("vocab,tp,expected", [
