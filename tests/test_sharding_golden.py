@@ -5,7 +5,6 @@ regenerate it deliberately with MESHTRAIN_UPDATE_GOLDEN=1 and review the diff. I
 file, no large array of the training state may end up replicated by accident.
 """
 import json
-import math
 import os
 from pathlib import Path
 
@@ -57,11 +56,11 @@ def test_row_parallel_weights_split_their_leading_dim_where_it_divides():
     """ZeRO-3 splits wo [H, E, D] and w_down [F, D] along their leading dim inside each tp block, so a gather
     or reduce-scatter over fsdp moves whole rows; where that dim does not divide over tp x fsdp (4 heads or a
     width of 100 over 8), along their `embed` dim, as the column-parallel weights are split."""
-    cases = {("mesh.fsdp=2", "mesh.tp=2"): ("P(None, ('tp', 'fsdp'), None, None)", "P(None, ('tp', 'fsdp'), None)"),
-             ("mesh.fsdp=4", "mesh.tp=2"): ("P(None, 'tp', None, 'fsdp')", "P(None, ('tp', 'fsdp'), None)"),
-             ("mesh.fsdp=8", "mesh.tp=1", "model.d_ff=100"): ("P(None, 'tp', None, 'fsdp')", "P(None, 'tp', 'fsdp')")}
-    for overrides, (wo, w_down) in cases.items():
-        setup = make_setup(tiny_config(*overrides, "train.zero_stage=3"), math.prod(int(o[-1]) for o in overrides[:2]))
+    cases = {(4, "mesh.fsdp=2", "mesh.tp=2"): ("P(None, ('tp', 'fsdp'), None, None)", "P(None, ('tp', 'fsdp'), None)"),
+             (8, "mesh.fsdp=4", "mesh.tp=2"): ("P(None, 'tp', None, 'fsdp')", "P(None, ('tp', 'fsdp'), None)"),
+             (8, "mesh.fsdp=8", "model.d_ff=100"): ("P(None, 'tp', None, 'fsdp')", "P(None, 'tp', 'fsdp')")}
+    for (n_devices, *overrides), (wo, w_down) in cases.items():
+        setup = make_setup(tiny_config(*overrides, "train.zero_stage=3"), n_devices)
         params, grads = flat(setup.state_shardings.params), flat(setup.grad_shardings)
         for name, want in (("['layers']['attn']['wo']", wo), ("['layers']['mlp']['w_down']", w_down)):
             assert str(params[name].spec) == want == str(grads[name].spec), (overrides, name, params[name].spec)

@@ -102,9 +102,9 @@ def build_setup(cfg: Config, mesh: Mesh) -> Setup:
     exe = resolve_for_mesh(cfg, mesh)
     policy = Precision.from_names(pc.compute, pc.params, pc.matmul, fp8_exclude_patterns(pc), pc.fp8_amax_history,
                                   exe.fp8_cast)
+    ffn_widths = (cfg.model.d_ff, cfg.moe.expert_ffn(cfg.model)) if cfg.moe.enabled else (cfg.model.d_ff,)
     layout = make_rules(mesh, zero_stage=cfg.train.zero_stage, sequence_parallel=cfg.parallel.sequence_parallel,
-                        n_kv_heads=cfg.model.n_kv_heads, n_heads=cfg.model.n_heads,
-                        ffn_widths=(cfg.model.d_ff,) + ((cfg.moe.expert_ffn(cfg.model),) if cfg.moe.enabled else ()))
+                        n_kv_heads=cfg.model.n_kv_heads, n_heads=cfg.model.n_heads, ffn_widths=ffn_widths)
     model = Decoder(cfg.model, policy, layout.params, exe, cfg.train.remat, document_mask=cfg.data.document_mask,
                     moe=cfg.moe if cfg.moe.enabled else None)
 
