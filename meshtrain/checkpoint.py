@@ -18,7 +18,8 @@ does not depend on Python class names. Restore reads each array straight into th
 current mesh, which may differ from the mesh that saved it (the digests do not depend on the sharding).
 The layer stack is written in the order the run keeps it (the pipeline stages' order under interleaved and
 dualpipe_v, step/pipeline/layout.py), recorded beside the digests; a restore verifies what it read, then puts
-the stack in the order its reader asks for (a step without the record is in the model's order).
+the stack in the order its reader asks for (a step without the record is in the model's order), and in the
+reader's layout where `model.scan_layers` changed since the save (scan_layout.py).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from meshtrain.config import ConfigError
+from meshtrain.scan_layout import Stack, saved_layout, to_layout
 from meshtrain.step.pipeline.layout import LAYERS, MODEL_ORDER, reorder_arrays
 from meshtrain.step.state import TrainState
 
@@ -170,16 +173,32 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: TrainState) -> TrainState:
         """Read `step` into the shapes, dtypes and shardings of `abstract_state` (any mesh), unverified, the layer
         stack in the order it was written in."""
-        target = serialization.to_state_dict(abstract_state)
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        return serialization.from_state_dict(abstract_state, restored["state"])
+        state = self._read(step, serialization.to_state_dict(abstract_state))
+        return serialization.from_state_dict(abstract_state, state)
 
-    def verify(self, step: int, state: TrainState) -> None:
-        """Compare the digests of what `restore` read with those written at save time; raise on a mismatch.
-        A step written before digests existed has none: it passes unverified."""
+    def _read(self, step: int, target: dict) -> dict:
+        """`step`'s state dict read into `target`'s shapes, dtypes and shardings, unverified."""
+        return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+
+    def verify(self, step: int, state: TrainState | dict) -> None:
+        """Compare the digests of what `restore` read (a state, or its state dict) with those written at save
+        time; raise on a mismatch. A step written before digests existed has none: it passes unverified."""
         if not (self.directory / str(step) / "_CHECKPOINT_METADATA").is_file():
             raise ValueError("its _CHECKPOINT_METADATA file is missing")
-        self._verify_digests(step, serialization.to_state_dict(state), whole=True)
+        self._verify_digests(step, state if isinstance(state, dict) else serialization.to_state_dict(state), whole=True)
+
+    def _in_reader_layout(self, step: int, state: dict, saved: Stack | None, reader: Stack | None, target: dict,
+                          layers_order: np.ndarray) -> dict:
+        """A verified read of `step` (a state dict, or a tree holding `params`, in its saved layout) with the layer
+        stack in the reader's layout and order: a scanned stack is put in order where it is scanned."""
+        if saved is None or saved == reader:
+            return self.in_order(step, state, layers_order)
+        if saved.scanned:  # the model's order, then split into layers
+            return to_layout(self.in_order(step, state, MODEL_ORDER), saved, reader, target)
+        # Stacked in the model's order (an unrolled step was saved without a pipeline), then put in the reader's.
+        stacked = to_layout(state, saved, reader, target)
+        rows = jax.tree.leaves(stacked["params"][LAYERS])[0].shape[0]
+        return reorder_arrays(stacked, MODEL_ORDER, np.asarray(layers_order), rows)
 
     def _verify_digests(self, step: int, state_dict: dict, whole: bool = False) -> None:
         """The digests of `state_dict` (all of a step's arrays when `whole`, else a part, e.g. the params)
@@ -195,14 +214,16 @@ class Checkpointer:
             raise ValueError(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
 
     def restore_verified(self, abstract_state: TrainState, check_config: Callable[[dict, int], None],
-                         layers_order: np.ndarray = MODEL_ORDER) -> tuple[TrainState, int, dict] | None:
+                         layers_order: np.ndarray = MODEL_ORDER, stack: Stack | None = None
+                         ) -> tuple[TrainState, int, dict] | None:
         """The newest step that reads back and verifies, as (state, step, its saved config), the state's layer stack
-        in `layers_order`; None when the directory holds no step. `check_config(saved_config, step)` may raise
-        ConfigError (a checkpoint of
-        another model is the user's mistake, not damage: no fallback). Steps that failed are set aside
+        in `layers_order` and in `stack`'s layout (the reader's; None: as saved); None when the directory holds no
+        step. `check_config(saved_config, step)` may raise ConfigError (a checkpoint of another model is the user's
+        mistake, not damage: no fallback). Steps that failed are set aside
         once one verifies; when none does, CheckpointError names the directory and nothing is renamed."""
         steps = self.all_steps()[::-1]
         failed = []
+        target = serialization.to_state_dict(abstract_state)
         for i, step in enumerate(steps):
             try:
                 saved = self.saved_config(step)
@@ -212,7 +233,10 @@ class Checkpointer:
             check_config(saved, step)
             state, why = None, None
             try:
-                state = self.restore(step, abstract_state)
+                read_as, saved_stack = saved_layout(target, stack, saved, self.directory, step)
+                state = self._read(step, read_as)
+            except ConfigError:
+                raise
             except Exception as e:  # noqa: BLE001
                 _quiet_abandoned_reads()
                 why = reason(e)
@@ -226,9 +250,8 @@ class Checkpointer:
                 failed.append(self._say_failed(step, why, steps[i + 1:]))
                 continue
             self._set_aside(failed)
-            state = serialization.from_state_dict(state, self.in_order(step, serialization.to_state_dict(state),
-                                                                       layers_order))
-            return state, step, saved
+            state = self._in_reader_layout(step, state, saved_stack, stack, target, layers_order)
+            return serialization.from_state_dict(abstract_state, state), step, saved
         if steps:
             raise CheckpointError(f"no checkpoint in {self.directory} reads back intact (steps {sorted(steps)} all "
                                   f"failed, see above); restore a copy of it, or move it away to start afresh")
@@ -267,18 +290,25 @@ class Checkpointer:
         return restored["state"]["params"]
 
     def restore_params_verified(self, step: int, abstract_params: Any, *, fall_back: bool,
-                                layers_order: np.ndarray = MODEL_ORDER) -> tuple[Any, int]:
+                                layers_order: np.ndarray = MODEL_ORDER, stack: Stack | None = None
+                                ) -> tuple[Any, int]:
         """(params, the step they are from): `step`'s parameters, verified against the digests written
-        with them, the layer stack in `layers_order` (by default the model's, as readers run it). With
+        with them, the layer stack in `layers_order` (by default the model's, as readers run it) and in `stack`'s
+        layout (the reader's; None: as saved). With
         `fall_back` (the newest step was asked for, not a given one) a step that does not
         read back intact is passed over for the next older one, with a line saying so; nothing is renamed
         (a reader leaves the run directory as it found it). CheckpointError when no candidate verifies."""
         candidates = [s for s in self.all_steps()[::-1] if s <= step] if fall_back else [step]
+        target = {"params": serialization.to_state_dict(abstract_params)}
         for i, candidate in enumerate(candidates):
             try:
-                params = self.restore_params(candidate, abstract_params)
-                self._verify_digests(candidate, {"params": serialization.to_state_dict(params)})
-                return self.in_order(candidate, {"params": params}, layers_order)["params"], candidate
+                read_as, saved = saved_layout(target, stack, self.saved_config(candidate), self.directory, candidate)
+                params = self.restore_params(candidate, read_as["params"])
+                self._verify_digests(candidate, {"params": params})
+                params = self._in_reader_layout(candidate, {"params": params}, saved, stack, target, layers_order)
+                return serialization.from_state_dict(abstract_params, params["params"]), candidate
+            except ConfigError:
+                raise
             except Exception as e:  # noqa: BLE001
                 _quiet_abandoned_reads()
                 self._say_failed(candidate, reason(e), candidates[i + 1:])

@@ -21,6 +21,7 @@ from meshtrain.config import Config, ConfigError, PipelineConfig, build_config, 
 from meshtrain.hf.config import HF_PREFIX, hf_dir
 from meshtrain.mesh import build_mesh
 from meshtrain.precision import Precision
+from meshtrain.scan_layout import Stack
 from meshtrain.step.state import Setup, abstract_params, build_setup
 
 
@@ -86,7 +87,8 @@ def load(source: str, overrides: list[str], *, step: int | None = None) -> Loade
                               f"(model.vocab_size={cfg.model.vocab_size} padded for its "
                               f"mesh.tp={saved['mesh']['tp']}); choose a tp that divides {saved_rows}")
         setup = with_vocab_rows(setup, saved_rows)
-        params, step = ckpt.restore_params_verified(step, abstract_params(setup), fall_back=asked is None)
+        params, step = ckpt.restore_params_verified(step, abstract_params(setup), fall_back=asked is None,
+                                                    stack=Stack.of(setup.cfg))
     finally:
         ckpt.close()
     return Loaded(setup.cfg, setup, params, step, hf_dir(init_from) if init_from else None)

@@ -16,6 +16,7 @@ import jax
 from meshtrain.checkpoint import Checkpointer, abstract_state
 from meshtrain.config import MATMUL_SITES, Config, ConfigError, MoEConfig, padded_vocab
 from meshtrain.hf.config import hf_dir
+from meshtrain.scan_layout import Stack
 from meshtrain.step.state import Setup, TrainState, abstract_params, init_state, state_from_params
 
 
@@ -31,16 +32,17 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer | None) -> tuple[TrainState
     shapes = jax.eval_shape(lambda: init_state(setup))  # traced only: no parameters are drawn
     found = ckpt.restore_verified(abstract_state(setup.state_shardings, shapes),
                                   lambda saved, step: check_compatible(setup.cfg, saved, ckpt.directory, step),
-                                  setup.layers_order)
+                                  setup.layers_order, Stack.of(setup.cfg))
     if found is None:  # only damaged-and-set-aside or no steps: cannot happen after latest_step, but be plain
         return init_state(setup), None
     state, step, _ = found
     return state, step
 
 
-# Model fields that decide the parameter tree; the rest (kernels, norms' eps, ...) may change on resume.
+# Model fields that decide the parameter tree; the rest (kernels, norms' eps, ...) may change on resume, and so
+# may scan_layers (the checkpoint is read into the other layout: scan_layout.py).
 SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
-                "tie_embeddings", "scan_layers")
+                "tie_embeddings")
 MOE_SHAPE_FIELDS = ("n_experts", "d_ff_expert", "n_shared", "every")
 # Fields that decide which tokens each step trains on.
 DATA_FIELDS = (("train", "seed"), ("train", "global_batch"), ("data", "source"), ("data", "path"),

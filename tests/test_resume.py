@@ -65,6 +65,14 @@ def test_resume_onto_another_mesh(uninterrupted, stopped_at_3, tmp_path):
     np.testing.assert_allclose([losses[s] for s in (4, 5, 6)], [uninterrupted[s] for s in (4, 5, 6)], rtol=1e-5)
 
 
+def test_resume_with_the_layers_unrolled(uninterrupted, stopped_at_3, tmp_path):
+    """The scanned run's checkpoint carries on with `model.scan_layers=false` (the GPU configs unroll; scan_layout.py):
+    fp32 losses of the run that never stopped, within the reordering of the same sums."""
+    losses, out = resume(stopped_at_3, tmp_path, *MESH_A, "model.scan_layers=false")
+    assert "resumed from step 3" in out
+    np.testing.assert_allclose([losses[s] for s in (4, 5, 6)], [uninterrupted[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
 def test_half_written_checkpoint_is_never_loaded(uninterrupted, stopped_at_3, tmp_path):
     """A save killed before its commit leaves only Orbax's temporary directory: resume skips it."""
     ckpt = tmp_path / "checkpoints"

@@ -196,10 +196,11 @@ def unrolled_layers(stacked: dict, n_layers: int, every: int = 1, take=lambda x,
             for member, tree in stacked.items() for g in range(n_layers // every)}
 
 
-def stacked_layers(unrolled: dict, n_layers: int, every: int = 1) -> dict:
-    """The inverse of unrolled_layers: `layer_i` subtrees -> leaves stacked on L (or per group member)."""
+def stacked_layers(unrolled: dict, n_layers: int, every: int = 1, stack_leaves=lambda *xs: jnp.stack(xs)) -> dict:
+    """The inverse of unrolled_layers: `layer_i` subtrees -> leaves stacked on L (or per group member).
+    `stack_leaves(*leaves)` makes one stacked leaf (of a tree of shapes, say)."""
     def stack(names):
-        return jax.tree.map(lambda *xs: jnp.stack(xs), *[unrolled[name] for name in names])
+        return jax.tree.map(stack_leaves, *[unrolled[name] for name in names])
 
     if every == 1:
         return stack([f"layer_{i}" for i in range(n_layers)])
