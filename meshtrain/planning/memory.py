@@ -78,7 +78,8 @@ class Layout:
                 [f"train.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
                  f"train.grad_accum={self.grad_accum}",
                  f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
-                + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}"]
+                + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
+                    "model.scan_layers=true"]  # the stages split the stacked layer axis (a chunk runs it unrolled)
                    if self.degrees["pp"] > 1 else [])
                 + (["parallel.cp_impl=allgather"] if self.gathers_kv_in_stages else []))
 
