@@ -58,7 +58,7 @@ COSTLIEST_FILES_FIRST = (
     "test_optimizers.py",  # ~100
     "test_tracking.py",  # 75-115 on a shared machine
     "test_pipeline_moe_resume.py",  # ~80
-    "test_scan_layout.py",  # ~60 (2026-11-28)
+    "test_scan_layout.py",  # ~70 (2026-11-28)
     "test_pipeline_documents.py",  # ~45
 )
 

@@ -84,14 +84,21 @@ def test_a_scanned_step_is_read_unrolled_and_back_on_other_meshes(tmp_path, mode
     assert_same(got, relaid(saved, Stack.of(reader.cfg), to_scanned=True))
 
 
-def test_an_unrolled_step_is_read_into_an_interleaved_pipelines_order(tmp_path):
-    """pp=2 with two chunks per stage keeps the stack in its stages' order: stacked, then moved there."""
+def test_an_interleaved_pipelines_order_to_unrolled_layers_and_back(tmp_path):
+    """pp=2 with two chunks per stage keeps the stack in its stages' order: put in the model's before it is split;
+    an unrolled step stacked, then moved into the stages' order."""
     pipelined = ["model.n_layers=4", "mesh.pp=2", "mesh.fsdp=2", "mesh.tp=2", "pipeline.schedule=interleaved",
                  "pipeline.virtual_stages=2", "train.grad_accum=2"]
-    saved = save(tmp_path, ["model.n_layers=4", "model.scan_layers=false", "mesh.fsdp=8"])
-    got, reader = resumed(tmp_path, pipelined)
-    order = np.asarray(reader.layers_order)  # the model's layer at each stored position (a block is a layer here)
+    unrolled = ["model.n_layers=4", "model.scan_layers=false", "mesh.fsdp=8"]
+    saved = save(tmp_path / "a", pipelined)
+    got, reader = resumed(tmp_path / "a", unrolled)
+    order = np.asarray(make_setup(tiny_config(*pipelined), 8).layers_order)  # the model's layer at each stored row
     assert not np.array_equal(order, np.arange(len(order)))
+    in_model_order = jax.tree.map(lambda x: x[np.argsort(order)], saved["params"]["layers"])
+    assert_same(got["params"], relaid({**saved["params"], "layers": in_model_order}, Stack.of(reader.cfg), False))
+
+    saved = save(tmp_path / "b", unrolled)
+    got, reader = resumed(tmp_path / "b", pipelined)
     want = relaid(saved, Stack.of(reader.cfg), to_scanned=True)
     for g, w in zip(jax.tree.leaves(got["params"]["layers"]), jax.tree.leaves(want["params"]["layers"])):
         np.testing.assert_array_equal(g, w[order])
