@@ -40,6 +40,9 @@ MEASURED = {
         LLAMA8B, B8 + ["train.remat=none", "train.grad_accum=4", "mesh.fsdp=1", "mesh.tp=2", "train.zero_stage=0"],
         2, 118.0),
     "OLMoE-1B-7B config, ep=2": (OLMOE, [], 2, 65.8),
+    # 2026-11-26 (docs/PERFORMANCE.md, "Four H200s"): the config's layout on four GPUs, scanned
+    "Llama-3-8B config, fsdp=4, 4 sequences a GPU": (LLAMA8B, [], 4, 91.9),
+    "Llama-3-8B config, fsdp=4, 6 sequences a GPU": (LLAMA8B, ["train.global_batch=24"], 4, 121.2),
     # 2026-11-28 (docs/PERFORMANCE.md, "Llama-3-8B on two H200s"): unrolled, ZeRO along the rows
     "Llama-3-8B 2xH200 config, 5 sequences a GPU": (LLAMA8B_2X, [], 2, 127.2),
     "Llama-3-8B 2xH200 config, 4 sequences a GPU": (LLAMA8B_2X, B8, 2, 112.8),
@@ -75,20 +78,24 @@ def test_gpu_estimate_does_not_fit_what_ran_out_of_memory(name):
     assert est > H200_AT_095, f"{name}: estimate {est:.1f} GiB fits the {H200_AT_095:.1f} GiB it ran out of"
 
 
-def test_the_2xh200_config_passes_the_guard_it_runs_under():
-    """The shipped 8B config keeps the memory guard on: its estimate must fit the 95% of an H200 it asks for (its
-    measured peak, 127.2 GiB, does), and the same config at 6 sequences a GPU, which does not fit, is refused.
+@pytest.mark.parametrize("path, overrides, n, too_many", [
+    (LLAMA8B_2X, [], 2, ["train.global_batch=12"]),
+    (LLAMA8B, ["train.global_batch=24", "run.gpu_memory_fraction=0.95"], 4, ["train.global_batch=28"]),
+], ids=["2xh200_config", "4xh200_6_a_gpu"])
+def test_the_8b_recipes_pass_the_guard_they_run_under(path, overrides, n, too_many):
+    """The 8B recipes run with the memory guard on: their estimates fit the 95% of an H200 they ask for (their
+    measured peaks, 127.2 and 121.2 GiB, do), and one more sequence a GPU, which would not fit, is refused.
     The allocator's limit is a little under the share of nvidia-smi's total: on an H100 at 0.92 the guard read
     72.8 GiB, not 73.3 (docs/PERFORMANCE.md, OLMoE on two H100s); the same 0.7% off an H200's 133.4 is 132.5."""
     limit_gib = H200_AT_095 * 72.8 / (0.92 * 81559 / 1024)
     from meshtrain.config import ConfigError
     from meshtrain.planning import guard
 
-    def check(overrides):
-        cfg = load_config(LLAMA8B_2X, overrides)
+    def check(more):
+        cfg = load_config(path, overrides + more)
         assert cfg.run.memory_guard and cfg.run.gpu_memory_fraction == 0.95
-        guard.check(with_mesh(cfg, resolve_mesh(cfg.mesh, 2)[0]), 2, "gpu", limit_gib * GIB, memory_fraction=0.95)
+        guard.check(with_mesh(cfg, resolve_mesh(cfg.mesh, n)[0]), n, "gpu", limit_gib * GIB, memory_fraction=0.95)
 
     check([])
     with pytest.raises(ConfigError, match="memory: the estimate is"):
-        check(["train.global_batch=12"])
+        check(too_many)
