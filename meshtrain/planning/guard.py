@@ -35,22 +35,24 @@ def host_available_bytes() -> float:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _fixes(lay: Layout, cfg: Config) -> list[tuple[str, Layout]]:
-    """Changes in rough order of their cost in step time."""
+def _fixes(lay: Layout, cfg: Config) -> list[tuple[str, Config, Layout]]:
+    """Changes in rough order of their cost in step time, as (overrides, config, layout)."""
     g = lay.degrees
     out = []
+    if cfg.model.scan_layers and g["pp"] == 1:  # less memory over fsdp on GPUs, and faster there (planning/memory.py)
+        out.append(("model.scan_layers=false", replace(cfg, model=replace(cfg.model, scan_layers=False)), lay))
     if g["fsdp"] > 1:
         for z in range(lay.zero_stage + 1, 4):
-            out.append((f"train.zero_stage={z}", replace(lay, zero_stage=z)))
+            out.append((f"train.zero_stage={z}", cfg, replace(lay, zero_stage=z)))
     start = REMAT_ORDER.index(lay.remat) if lay.remat in REMAT_ORDER else 0
-    out += [(f"train.remat={r}", replace(lay, remat=r)) for r in REMAT_ORDER[start + 1:]]
+    out += [(f"train.remat={r}", cfg, replace(lay, remat=r)) for r in REMAT_ORDER[start + 1:]]
     for k in (2, 4, 8, 16):
         mb = lay.micro_batch // k
         if mb >= 1 and lay.micro_batch % k == 0 and mb % (g["dp"] * g["fsdp"]) == 0:
-            out.append((f"train.grad_accum={lay.grad_accum * k}",
+            out.append((f"train.grad_accum={lay.grad_accum * k}", cfg,
                         replace(lay, micro_batch=mb, grad_accum=lay.grad_accum * k)))
     if g["dp"] > 1:  # dp -> fsdp keeps the device count and shards the state
-        out.append((f"mesh.dp=1 mesh.fsdp={g['dp'] * g['fsdp']} train.zero_stage=3",
+        out.append((f"mesh.dp=1 mesh.fsdp={g['dp'] * g['fsdp']} train.zero_stage=3", cfg,
                     replace(lay, degrees={**g, "dp": 1, "fsdp": g["dp"] * g["fsdp"]}, zero_stage=3)))
     return out
 
@@ -70,8 +72,8 @@ def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None
     if need <= limit:
         return
     parts = ", ".join(f"{k} {v * per / GIB:.1f}" for k, v in est.biggest())
-    fix = next((f for f, alt in _fixes(lay, cfg) if estimate(cfg, alt, attn, exe.moe_gemm or "ragged_dot",
-                                                                  backend=exe.backend).total * per <= limit), None)
+    fits = lambda c, alt: estimate(c, alt, attn, exe.moe_gemm or "ragged_dot", backend=exe.backend).total * per <= limit  # noqa: E731
+    fix = next((f for f, alt_cfg, alt in _fixes(lay, cfg) if fits(alt_cfg, alt)), None)
     if gpu and memory_fraction < LARGE_MEM_FRACTION and need <= limit / memory_fraction * LARGE_MEM_FRACTION:
         fix = (f"run.gpu_memory_fraction={LARGE_MEM_FRACTION} (jax's allocator then takes {LARGE_MEM_FRACTION:.0%} of "
                f"each GPU instead of {memory_fraction:.0%}; for a process that has its GPUs to itself)"
