@@ -72,7 +72,9 @@ def check(cfg: Config, n_devices: int, platform: str, device_bytes: float | None
     if need <= limit:
         return
     parts = ", ".join(f"{k} {v * per / GIB:.1f}" for k, v in est.biggest())
-    fits = lambda c, alt: estimate(c, alt, attn, exe.moe_gemm or "ragged_dot", backend=exe.backend).total * per <= limit  # noqa: E731
+    def fits(alt_cfg: Config, alt: Layout) -> bool:
+        return estimate(alt_cfg, alt, attn, exe.moe_gemm or "ragged_dot", backend=exe.backend).total * per <= limit
+
     fix = next((f for f, alt_cfg, alt in _fixes(lay, cfg) if fits(alt_cfg, alt)), None)
     if gpu and memory_fraction < LARGE_MEM_FRACTION and need <= limit / memory_fraction * LARGE_MEM_FRACTION:
         fix = (f"run.gpu_memory_fraction={LARGE_MEM_FRACTION} (jax's allocator then takes {LARGE_MEM_FRACTION:.0%} of "
