@@ -195,10 +195,8 @@ class Checkpointer:
             return self.in_order(step, state, layers_order)
         if saved.scanned:  # the model's order, then split into layers
             return to_layout(self.in_order(step, state, MODEL_ORDER), saved, reader, target)
-        # Stacked in the model's order (an unrolled step was saved without a pipeline), then put in the reader's.
-        stacked = to_layout(state, saved, reader, target)
-        rows = jax.tree.leaves(stacked["params"][LAYERS])[0].shape[0]
-        return reorder_arrays(stacked, MODEL_ORDER, np.asarray(layers_order), rows)
+        # Stacked, then put in the reader's order (an unrolled step ran without a pipeline: it records the model's).
+        return self.in_order(step, to_layout(state, saved, reader, target), layers_order)
 
     def _verify_digests(self, step: int, state_dict: dict, whole: bool = False) -> None:
         """The digests of `state_dict` (all of a step's arrays when `whole`, else a part, e.g. the params)
