@@ -138,8 +138,7 @@ class _Loop:
         with self.trace.step(step):
             self.state, metrics = self.step_fn(self.state, batch)
         self.done = step + 1
-        if jax.tree.leaves(metrics)[0].is_ready():  # run inline by the dispatch (a CPU may)
-            self.timer.finished(self.done)
+        self.timer.watch(self.done, jax.tree.leaves(metrics)[0])  # the step's end, seen as it happens
         self.read_previous()
         self.pending = (self.done, metrics)
         if self.trace.active:  # the program: the same signature as the step just run, a cache hit
@@ -204,6 +203,7 @@ class _Loop:
 
     def close(self, failed: bool = False) -> None:
         self.feed.close()
+        self.timer.close()
         self.trace.stop()
         self.log.close(failed)
         if self.ckpt:

@@ -508,3 +508,47 @@ def test_step_read_after_the_next_was_seen_done_gets_a_positive_time(clock):
     dt10, _ = timer.seconds_per_step(10)
     # 9 and 10 share the 0.01 s before 10 was seen; the 0.01 s after it belongs to step 11.
     assert dt9 == pytest.approx(0.01) and dt10 == pytest.approx(0.005), (dt9, dt10)
+
+
+class _Output:
+    """Stands for an array a step's dispatch returned: it exists when the test says so."""
+
+    def __init__(self):
+        import threading
+        self.exists = threading.Event()
+
+    def block_until_ready(self):
+        assert self.exists.wait(10), "never made ready"
+        return self
+
+
+def _noted(timer, step):
+    import time
+    for _ in range(10_000):
+        if step in timer.seen:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"step {step} was never noted")
+
+
+def test_a_step_ends_when_its_outputs_exist_not_when_the_host_reads_it(clock):
+    """The host is held in the next step's dispatch after a step ends (a large program's kernels being queued): the
+    interval of the run's last step is still the time between the two steps' ends, not from the late read."""
+    from meshtrain.metrics import Throughput
+    timer = Throughput()
+    one, two = _Output(), _Output()
+    timer.watch(1, one)
+    clock.sleep(50.0)  # compilation and step 1
+    one.exists.set()
+    _noted(timer, 1)
+    timer.watch(2, two)  # dispatched: the host is held 0.7 s more, then reads step 1
+    clock.sleep(0.7)
+    timer.first_step_done(1)
+    clock.sleep(1.1)
+    two.exists.set()  # the last step: read at once, nothing is dispatched after it
+    _noted(timer, 2)
+    clock.sleep(0.3)  # the read comes later still: it does not move the end
+    dt, paused = timer.seconds_per_step(2)
+    assert dt == pytest.approx(1.8) and paused == 0.0, dt  # ended at the host's sight: 1.4 s
+    timer.close()
+    assert timer._watcher is None
