@@ -192,12 +192,13 @@ class Throughput:
     The first finished step includes compilation, so it only sets the baseline; a record logged at
     that very step reports its wall time since the loop started (compilation included).
 
-    A watched step (`watch`) is seen done by a thread of its own, the moment its outputs exist. The loop's
-    own sight can come late: the dispatch of the next step holds the host while the program's kernels are
-    queued (the full Llama-3-8B step on two H200s returns from its dispatch after 0.5 s of its 1.8), and
-    the previous step may end meanwhile. Intervals read in the loop's time are then late at both ends and
-    the error mostly cancels, but not at the run's last step, after which nothing is dispatched: that run
-    printed 1.14 s for step 2 of 2 (an MFU of 93.6%) where the synchronized benchmark measured 1.81 s.
+    A watched step (`watch`) is seen done by a thread of its own, the moment its outputs exist, whatever
+    holds the loop then: the next step's dispatch (the full Llama-3-8B step on two H200s returns from its
+    dispatch after 0.5 s of its 1.8), the data feed, a log line. The loop's own sight can come late, and a
+    late start of an interval whose end is seen at once (the run's last step: nothing is dispatched after
+    it) makes the step look fast: a 2-step run of that 8B config once printed 1.14 s for step 2 (an MFU of
+    93.6%) where the synchronized benchmark measured 1.81 s (the cause not found: two later runs of the
+    same command printed 1.80 s).
     """
 
     def __init__(self) -> None:
