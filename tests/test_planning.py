@@ -287,6 +287,14 @@ def test_guard_names_consumers_and_cheapest_fix():
     guard.check(cfg, 8, "gpu", device_bytes=est * 1.01)  # fits: no error
 
 
+def test_guard_lists_equal_parts_in_one_order():
+    """Equal parts print in the estimate's order, the same in every process (README's memory-guard line): they came
+    from a set, whose order changed with each process's string hashing."""
+    from meshtrain.planning.memory import Memory
+    assert [k for k, _ in Memory(4.0, 4.0, 4.0, 1.0).biggest()] == ["params", "grads", "optimizer", "activations"]
+    assert [k for k, _ in Memory(1.0, 2.0, 4.0, 2.0).biggest()] == ["optimizer", "grads", "activations", "params"]
+
+
 def test_guard_first_suggests_a_larger_allocator_share_when_the_gpu_has_room():
     cfg = build_config({}, SHAPE + ["mesh.dp=2", "mesh.fsdp=4", "train.zero_stage=1"])
     est = guard.run_estimate_on(cfg, "gpu")[1].total  # what the guard estimates on a GPU (its Execution decides)

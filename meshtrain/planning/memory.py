@@ -176,7 +176,8 @@ class Memory:
                 "activations": int(self.activations), "total": int(self.total)}
 
     def biggest(self) -> list[tuple[str, float]]:
-        return sorted(self.to_json().items() - {("total", int(self.total))}, key=lambda kv: -kv[1])
+        """The parts, largest first; equal parts in the order above (the error lines print them)."""
+        return sorted(((k, v) for k, v in self.to_json().items() if k != "total"), key=lambda kv: -kv[1])
 
 
 # What JAX's autodiff keeps per layer for meshtrain's block (the scan's stacked residuals, read with
