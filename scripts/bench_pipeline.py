@@ -115,7 +115,7 @@ def time_single_device(setup, a):
 
     from meshtrain.config.pipeline import last_chunk_remat
     from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
-    from meshtrain.step.pipeline.ticks import B, F, LAST, MID, W
+    from meshtrain.step.pipeline.ticks import B, F, FIRST, LAST, W
     from meshtrain.step.accumulate import make_grad_fn
     from meshtrain.step.state import make_batches
 
@@ -136,13 +136,14 @@ def time_single_device(setup, a):
         """Median ms of op `key` = (kind, position) on a chunk of k layers, timed once."""
         if (k, split, key) not in cache:
             lp = chunk_weights(setup.model, jax.tree.map(lambda arr: arr[:k], params["layers"]), k)
-            ops, _, _ = chunk_ops(setup.model, k, split, (lp, x, mb),
-                                  last_remat=last_chunk_remat(c.pipeline.last_chunk_remat, c.train.remat))
+            ops, stash, _ = chunk_ops(setup.model, k, split, (lp, x, mb),
+                                      last_remat=last_chunk_remat(c.pipeline.last_chunk_remat, c.train.remat))
             kind, pos = key
             kept = []  # what a B or W spends: the stash its chunk's F fills (and a split B, for W)
             if kind != F and pos != LAST:
                 kept = jax.jit(ops[F, pos])(lp, shared, x, dy, mb, scale, []).kept
-            if kind == W and pos == MID:  # the middle chunk's split B leaves the sites' output gradients for W
+            if kind == W and pos != FIRST:  # a split B leaves the sites' output gradients (the last's: inputs too)
+                kept = kept or [jnp.zeros(buf.shape, buf.dtype) for buf in stash.buffers]
                 kept = Stash.written(kept, jax.jit(ops[B, pos])(lp, shared, x, dy, mb, scale, kept).kept)
             cache[(k, split, key)] = median_ms(jax.jit(ops[key]), lp, shared, x, dy, mb, scale, kept,
                                                steps=a.steps)

@@ -102,29 +102,30 @@ def test_the_program_costs_the_schedules_makespan(kind, m):
 
 @pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("dualpipe_v", 2)])
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
-def test_split_schedules_run_in_three_lanes_as_fast_as_1f1b(kind, v, p, m):
-    """In what the ops cost (executor_op_units), the three-lane program of a split schedule costs 1F1B's (in chunks
-    of 1/v the stage: v times the units) and less than one op per tick; in the schedule's units (F = B = W = 1) it
-    costs more than the free-running makespan, as 1F1B's does (ticks.py says why no lockstep program gets ZB's
-    shorter cool-down)."""
+def test_split_schedules_in_three_lanes_cost_at_most_1f1bs(kind, v, p, m):
+    """In what the ops cost (executor_op_units), the three-lane program of a split schedule costs less than one op
+    per tick. zb_h1's costs less than 1F1B's: the last chunk's W waits behind later ops where ZB-H1 defers it, so
+    the cool-down's ticks no longer wait for it (27 -> 26 at pp=2, 33 -> 30 and 57 -> 54 at pp=4); dualpipe_v's
+    costs 1F1B's (in chunks of 1/v the stage: v times the units). In the schedule's units (F = B = W = 1) both cost
+    more than the free-running makespan."""
     s = make_schedule(kind, p, m, v)
     three, one = tick_tables(s), tick_tables(s, lanes=1)
-    assert three.n_lanes == 3
-    assert three.op_makespan == v * tick_tables(make_schedule("1f1b", p, m)).op_makespan < one.op_makespan
+    one_f_one_b = v * tick_tables(make_schedule("1f1b", p, m)).op_makespan
+    assert three.n_lanes == 3 and three.op_makespan < one.op_makespan
+    assert three.op_makespan < one_f_one_b if kind == "zb_h1" else three.op_makespan == one_f_one_b
     assert three.makespan > s.makespan
 
 
 @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)])
 @pytest.mark.parametrize("m", [8, 16])
-def test_in_what_its_ops_cost_the_program_is_within_10_percent_of_free_running_stages(kind, v, m):
-    """pp=4, in executor_op_units (the last chunk fused, the first chunk's split backward all W): the lockstep
-    program against the same ops run by free-running stages. 1F1B and interleaved lose nothing; zb_h1 loses its
-    first ticks, where stage 0 runs one F a tick while the last stage runs a fused 3-unit op (33 against 31 at
-    m=8, 57 against 55 at m=16)."""
+def test_in_what_its_ops_cost_the_program_against_free_running_stages(kind, v, m):
+    """pp=4, in executor_op_units (the last chunk's F inside its B, the first chunk's split backward all W): the
+    lockstep program against the same ops run by free-running stages. 1F1B and interleaved lose nothing; zb_h1
+    loses 3 units in its first ticks, where the last stage's F+B (2 units) paces ticks in which stage 0 runs one F:
+    30 against 27 at m=8 (11%), 54 against 51 at m=16 (6%)."""
     s = make_schedule(kind, 4, m, v)
     program, free = tick_tables(s).op_makespan, free_running_op_makespan(s)
-    assert free <= program <= 1.1 * free
-    assert (program == free) == (kind != "zb_h1")
+    assert program == free + (3 if kind == "zb_h1" else 0)
 
 
 def test_lanes_pair_f_and_b_and_hold_what_the_order_needs():
@@ -142,18 +143,19 @@ def test_lanes_pair_f_and_b_and_hold_what_the_order_needs():
 def test_cli_reports_the_executors_makespan(capsys):
     assert cli.main(["--schedule", "zb_h1", "--pp", "4", "--microbatches", "16", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["makespan"] == 51 and got["executor_makespan"] == 57  # three lanes: 1F1B's 57 (ticks.py)
+    assert got["makespan"] == 51 and got["executor_makespan"] == 54  # three lanes, W deferred: 1F1B's is 57
     assert got["executor_lanes"] == 3 and got["executor_peak_in_flight"] == [7, 5, 3, 1]
     assert cli.main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
     assert "executor: 14 ticks of 2 lanes (F, then B) per tick, 33 cost units" in capsys.readouterr().out
 
 
 def test_the_programs_time_in_what_its_ops_cost(capsys):
-    """executor_op_units: the last chunk's F runs inside its B (3 units); split, a middle chunk's B and W cost 1
-    each but the first chunk's backward is all W (2), so at pp=2 zb_h1 and dualpipe_v take longer than their
-    makespans say, 1F1B does not. Before the split W (W pulled back through the chunk again: 2), these predicted
-    the measured pp=2 steps on two H100s (docs/PERFORMANCE.md, 2026-11-27): zb_h1 / 1f1b 34/27 = 1.26 (measured
-    1.29), dualpipe_v (half-size chunks) 43/27 = 1.59 (measured 1.58); dualpipe_v is 73 (36.5) now."""
+    """executor_op_units: the last chunk's F runs inside its B (3 units; split, 2, and its W 1); split, a middle
+    chunk's B and W cost 1 each but the first chunk's backward is all W (2), so at pp=2 zb_h1 and dualpipe_v take
+    longer than their makespans say, 1F1B does not. One op per tick, before the split W (W pulled back through the
+    chunk again: 2) and the last chunk's W, these predicted the measured pp=2 steps on two H100s
+    (docs/PERFORMANCE.md, 2026-11-27): zb_h1 / 1f1b 34/27 = 1.26 (measured 1.29), dualpipe_v (half-size chunks)
+    43/27 = 1.59 (measured 1.58)."""
     def program(kind, v=1, p=2):
         return tick_tables(make_schedule(kind, p, 8, v))
 
@@ -161,10 +163,10 @@ def test_the_programs_time_in_what_its_ops_cost(capsys):
         return tick_tables(make_schedule(kind, p, 8, v), lanes=1)
 
     assert program("1f1b").op_makespan == program("1f1b").makespan == 27
-    assert one_op_per_tick("zb_h1").makespan == 25 and one_op_per_tick("zb_h1").op_makespan == 34
+    assert one_op_per_tick("zb_h1").makespan == 25 and one_op_per_tick("zb_h1").op_makespan == 27
     assert program("interleaved", 2).op_makespan == 51  # in half-size chunks: 25.5 of 1F1B's units
-    assert one_op_per_tick("dualpipe_v", 2).op_makespan == 73
-    assert one_op_per_tick("zb_h1", p=4).op_makespan == 49  # the middle stages' W: 56 when it pulled back again
-    assert program("zb_h1").op_makespan == 27 and program("dualpipe_v", 2).op_makespan == 54  # three lanes
+    assert one_op_per_tick("dualpipe_v", 2).op_makespan == 65
+    assert one_op_per_tick("zb_h1", p=4).op_makespan == 41  # the middle stages' W: 56 when it pulled back again
+    assert program("zb_h1").op_makespan == 26 and program("dualpipe_v", 2).op_makespan == 54  # three lanes
     assert cli.main(["--schedule", "zb_h1", "--pp", "2", "--microbatches", "8"]) == 0
-    assert "the first chunk's backward all in its W): 27 units" in capsys.readouterr().out
+    assert "the first chunk's backward all in its W): 26 units" in capsys.readouterr().out

@@ -3,8 +3,9 @@
 The executor runs the schedule as a scan over ticks. Its carry holds, per stage:
 
     stash      n_stash_slots x (what F's pullback keeps of one chunk for B: the remat policy's residuals of
-               the chunk's k layers; for a split schedule's middle chunks also the tapped sites, and what the
-               split pullback keeps more); slots are interval-coloured from F to the last reader (ticks.py)
+               the chunk's k layers; for a split schedule also the tapped sites, and what the split pullback
+               keeps more); slots are interval-coloured from F (the split last chunk: B) to the last reader
+               (ticks.py)
     pool       the [b, T, D] messages in flight (small: one activation per slot, not per layer)
     weights    the stage's layer weights as the ops read them, a copy of the stored shard (split into chunks,
                exchanged between stages where the schedule holds chunks spread over the model)
@@ -62,9 +63,9 @@ def chunk_layers(n_layers: int, lay: Layout) -> float:
 
 
 def is_tapped(lay: Layout) -> bool:
-    """Whether the stage's middle chunks split their backward: only middle chunks are tapped
-    (step/pipeline/ops.py), and with two chunks in all there is none."""
-    return lay.schedule in SPLIT_KINDS and lay.degrees["pp"] * lay.virtual_stages > 2
+    """Whether the stash's slots hold the tapped sites too: a split backward's middle and last chunks keep them
+    for their W (step/pipeline/ops.py), and every slot has room for them."""
+    return lay.schedule in SPLIT_KINDS
 
 
 def stage_activation_bytes(n_layers: int, lay: Layout, kept_per_layer: float, split_per_layer: float,

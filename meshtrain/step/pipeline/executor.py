@@ -30,7 +30,8 @@ microbatches' chunk activations, as the memory estimate counts them:
     B  dy, stash[slot] → dx sent back; dW accumulated (split: all but the matmul sites', whose output
        gradients go into stash[slot])
     W  stash[slot] (the sites' inputs from F, output gradients from B) → the sites' dW accumulated
-    the last chunk: F does nothing, B runs chunk, head, loss and backward at once and sends dx back
+    the last chunk: F does nothing, B runs chunk, head, loss and backward at once and sends dx back (split:
+    its sites' inputs and output gradients go into stash[slot] for its W)
 
 The stash is a list of slots, each a list of buffers, and every branch names its slot statically (a
 branch per op kind, chunk position and slot; up to MAX_STATIC_SLOTS slots, past which the slot is a traced
@@ -48,7 +49,8 @@ branch passes through).
 
 What this costs against the formula (F = 1, B = 2; or B = W = 1 split): the program's ticks cost
 the schedule's makespan in those units (ticks.py: `makespan`). The last chunk's F and B run as one
-op of 3 units at its B, which 1F1B places in the same tick anyway. A split B of a middle chunk pulls
+op of 3 units at its B, which 1F1B places in the same tick anyway (split: 2, and its W 1, placed where
+the schedule defers it). A split B pulls
 back once, for the input gradient and the sites' output gradients, and its W is one matmul per site
 (ops.py, weight_grads.py): 1 unit each by the formula's clock, about 3:1 in time (on an H100, llama1b's
 half: B 12 ms, W 4 ms, the unsplit B 16 ms). The first chunk's split backward is all W (its B does
@@ -72,7 +74,7 @@ from meshtrain.model.layers import FP8_META
 from meshtrain.model.transformer import stacked_layers, unrolled_layers
 from meshtrain.step.loss import Accumulated, GradFn
 from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
-from meshtrain.step.pipeline.ticks import B, F, LAST, MID, TRANSFER_SCOPE, W, TickTables, tick_tables
+from meshtrain.step.pipeline.ticks import B, F, LAST, TRANSFER_SCOPE, W, TickTables, tick_tables
 from meshtrain.step.pipeline.layout import join_blocks, split_blocks
 from meshtrain.step.pipeline.schedules import make_schedule
 from meshtrain.step.state import Setup
@@ -136,7 +138,6 @@ def make_pipeline_grad_fn(setup: Setup) -> GradFn:
         pool = jnp.zeros((ticks.n_slots + 1, b, t, cfg.model.d_model), model.policy.compute_dtype)
         ops, stash_of, layers_sowing = chunk_ops(model.clone(rules=rules), k, schedule.split_backward,
                                                  (weights_c[0], pool[0], index(batch, 0), meta_c[0]),
-                                                 middle=bool((ticks.position == MID).any()),
                                                  last_remat=setup.exe.pipeline.last_chunk_remat)
         # Per stash slot, one buffer per kept leaf of a chunk's pullback. Each branch names its slot statically
         # (_branch_table), so F's pullback is computed in its slot's buffers and B reads them where they are: a
@@ -262,12 +263,14 @@ def _branch_table(ticks: TickTables, lane: int, kinds: tuple[int, ...], static: 
                   ) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
     """Number the (op kind, chunk position, stash slot, chunk) keys of `kinds` that `lane` runs, 1.. (0: idle, or
     an op of another kind): [T, S] branch indices and the keys in branch order. The slot is NO_SLOT for ops that
-    neither fill nor spend the stash (the last chunk's), and for every op when the slots are not `static`."""
+    neither fill nor spend the stash (the last chunk's, unless split), and for every op when the slots are not
+    `static`."""
     kind, position, slot, chunk = (getattr(ticks, name)[:, :, lane]
                                    for name in ("kind", "position", "stash_slot", "chunk"))
 
     def key(t: int, s: int) -> tuple[int, int, int, int]:
-        kept_in = int(slot[t, s]) if static and position[t, s] != LAST else NO_SLOT
+        stashed = position[t, s] != LAST or ticks.split_backward and kind[t, s] != F  # the split last chunk's B, W
+        kept_in = int(slot[t, s]) if static and stashed else NO_SLOT
         return int(kind[t, s]), int(position[t, s]), kept_in, int(chunk[t, s])
 
     keys = sorted({key(t, s) for (t, s), kd in np.ndenumerate(kind) if kd in kinds})

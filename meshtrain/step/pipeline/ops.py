@@ -8,7 +8,8 @@ norm, head and loss; a middle one reads the previous chunk's output.
     F  x ─ chunk ─> y, and the chunk's pullback kept        (first: tokens ─ embed ─ chunk)
     B  dy, the kept pullback ─> dx (+ dW when the backward is not split)
     W  the sites' inputs (F) and outputs' gradients (B) ─> dW  (split backward only: weight_grads.py)
-    the last chunk: F does nothing; B runs chunk, head, loss and the whole backward from its x
+    the last chunk: F does nothing; B runs chunk, head, loss and the whole backward from its x (split: all but
+    the sites' weight gradients, which its W computes as a middle chunk's does)
 
 MoE layers sow auxiliary losses and router metrics (model/moe.py). A chunk's output is then the pair
 (y, aux): aux the sum of its sown losses, which enters the objective as n·aux (step/loss.py: n labelled
@@ -36,6 +37,9 @@ the very arrays the stage reads again at B, and the stash stores only the rest.
 A split backward (zb_h1, dualpipe_v) also keeps, per microbatch, each plain matmul site's input (from F) and
 its output's gradient (from B), so that W is one matmul per site (weight_grads.py). That is one more copy of
 the site inputs than the pullback holds, between F and W, and the sites' output gradients between B and W.
+The last chunk's B keeps both (its forward runs there), so that its W, too, can wait behind later ops where the
+schedule defers it: ZB-H1's cool-down, where the input gradient of the last microbatch is what every stage
+before waits for.
 """
 from __future__ import annotations
 
@@ -129,6 +133,10 @@ class Stash:
         """A split B's buffers: the sites' output gradients (the rest untouched)."""
         return [*[None] * (len(self.kept) + len(jax.tree.leaves(self.inputs))), *jax.tree.leaves(grads)]
 
+    def after_last_backward(self, inputs: Any, grads: Any) -> list:
+        """The split last chunk's B: the sites' inputs and output gradients (it keeps no pullback)."""
+        return [*[None] * len(self.kept), *jax.tree.leaves(inputs), *jax.tree.leaves(grads)]
+
     @staticmethod
     def written(buffers: list, kept: list) -> list:
         """A slot's buffers after an op left `kept` in it (None: that buffer keeps its value)."""
@@ -157,21 +165,20 @@ def chunk_weights(decoder: Decoder, layers: Any, n_layers: int) -> Any:
     return unrolled_layers(site_weights(decoder, layers), n_layers, decoder.every)
 
 
-def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...], middle: bool = True,
+def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tuple[Any, ...],
               last_remat: str | None = None) -> tuple[dict[tuple[int, int], OpFn], Stash, dict[str, int]]:
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
     {metric: how many of a chunk's layers sow it}. The ops' layer params are `chunk_weights`.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch[, the chunk's fp8 histories]),
-    values or shapes. `middle`: whether middle chunks run at all (with only a first and a last chunk, a split
-    backward taps nothing: the first's W pulls back whole, the last's B runs it all). `last_remat`: the last
-    chunk's remat policy (PipelineRun.last_chunk_remat; None: the decoder's, as every other chunk's).
+    values or shapes. `last_remat`: the last chunk's remat policy (PipelineRun.last_chunk_remat; None: the decoder's, as every other chunk's).
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
     rules = decoder.rules
     stack = decoder.stack(n_layers, scan=False)  # chunk_weights: the ops take their layers one by one
     # Its F and B run in one op: what it keeps never waits in the stash (config/pipeline.py: last_chunk_remat).
+    # Split, only its sites' inputs and output gradients wait there, for its W.
     last_stack = decoder.clone(remat=last_remat).stack(n_layers, scan=False) if last_remat else stack
-    tapped = split_backward and middle  # a split backward's middle chunks record their sites' inputs
+    tapped = split_backward  # a split backward's middle and last chunks record their sites' inputs
     taps_sown = (SITE_INPUTS,) if tapped else ()
 
     def run(lp, x_btd, mb: Batch, meta, taps, sown=(LOSSES, METRICS), blocks=stack):
@@ -200,12 +207,14 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
     def embed(sh, mb: Batch):
         return decoder.apply({"params": sh}, mb.tokens, method=Decoder.embed)
 
-    def loss_sum(lp, sh, x_btd, meta, mb: Batch, scale):
-        y_btd, sown = run(lp, x_btd, mb, meta, {}, blocks=last_stack)
+    def loss_sum(lp, sh, x_btd, meta, taps, mb: Batch, scale):
+        """The last chunk, head and loss; with `taps`, also the sites' inputs (SITE_INPUTS)."""
+        y_btd, sown = run(lp, x_btd, mb, meta, taps, sown=(LOSSES, METRICS, *(SITE_INPUTS,) * bool(taps)),
+                          blocks=last_stack)
         h_btd, head_dv = decoder.apply({"params": sh}, y_btd, method=Decoder.head)
         ce, n = cross_entropy(decoder, h_btd, head_dv, mb.targets)
         loss = objective(ce, n, sown)[0]
-        return loss * scale, (loss, ce, n, logged(sown, n))
+        return loss * scale, (loss, ce, n, logged(sown, n), sown.get(SITE_INPUTS, {}))
 
     example_lp, example_x, example_mb, example_meta = (*example, {})[:4]
     # One abstract run: which metrics the layers sow and, for a split backward, the taps (created as zeros when
@@ -235,10 +244,17 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         return op
 
     def last_backward(lp, sh, x, dy, mb, scale, kept, meta=None):
-        grad = jax.grad(loss_sum, argnums=(0, 1, 2, 3), has_aux=True)
-        (d_lp, d_sh, dx, d_meta), (loss, ce, n, metrics) = grad(lp, sh, x, meta or {}, mb, scale)
+        """The last chunk's forward and backward; split, the tapped sites' weight gradients are left to its W, and
+        their inputs and output gradients go into its stash slot."""
+        taps = zero_taps() if split_backward else {}
+        grad = jax.grad(loss_sum, argnums=(0, 1, 2, 3, 4), has_aux=True)
+        (d_lp, d_sh, dx, d_meta, d_taps), (loss, ce, n, metrics, inputs) = grad(lp, sh, x, meta or {}, taps, mb,
+                                                                                 scale)
+        if split_backward:
+            d_lp = without_site_grads(d_lp, d_taps)
         return OpOut(d_layers=d_lp, d_shared=d_sh, message=rules.constrain(dx, RESIDUAL), loss=loss, count=n, ce=ce,
-                     metrics=metrics, meta=d_meta if meta else None)
+                     metrics=metrics, meta=d_meta if meta else None,
+                     kept=stash.after_last_backward(inputs, d_taps) if split_backward else None)
 
     def pullback(lp, dy, mb, scale, kept):
         """(d layers, dx, d histories, d taps): the chunk's pullback from the stash."""
@@ -254,7 +270,7 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
     def backward(pos: int) -> OpFn:
         """B: the input gradient, sent on to the chunk before, and the weight gradients. A split B leaves the
         tapped sites' weight gradients to W, and the first chunk's whole backward, which nobody waits for."""
-        if pos == LAST:  # split or not, B runs the whole last chunk and its W has nothing left to do
+        if pos == LAST:  # the chunk's forward too (split: less its sites' weight gradients)
             return last_backward
         if pos == FIRST:
             return (lambda *args: OpOut()) if split_backward else first_backward
@@ -268,10 +284,10 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
         return op
 
     def weights(pos: int) -> OpFn:
-        """W of a split backward: the tapped sites' weight gradients, one matmul each (weight_grads.py); the
-        first chunk's whole backward (its B does nothing); nothing for the last chunk (its B did it all)."""
-        if pos != MID:
-            return first_backward if pos == FIRST else (lambda *args: OpOut())
+        """W of a split backward: the tapped sites' weight gradients, one matmul each (weight_grads.py), for a
+        middle or the last chunk; the first chunk's whole backward (its B does nothing)."""
+        if pos == FIRST:
+            return first_backward
 
         def op(lp, sh, x, dy, mb, scale, kept, meta=None):
             return OpOut(d_layers=site_weight_grads(lp, stash.site_inputs(kept), stash.site_grads(kept)))

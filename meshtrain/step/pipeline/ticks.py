@@ -12,21 +12,24 @@ runs F while the next runs B, so every tick lasts a B). So a tick has lanes:
             that order; a W may follow its own B in the same tick.
     lanes = 1 (afab): one op per tick; it runs all F, then all B.
 
-The split schedules' ops do not cost alike (executor_op_units): the last chunk's F, B and W run as one
-op of 3 units, the first chunk's backward is all W (2). One op per tick, as their schedules place them,
-every tick lasts its slowest stage's op, and at pp=2 and 8 microbatches that program took 1.21x 1F1B's
-time (2x H100, llama1b). In three lanes a steady tick holds a stage's F, B and W, 3 units on every stage,
-as 1F1B's ticks do: the program costs 1F1B's in what its ops cost. That is also the most a lockstep program
-can get from them: a tick lasts its busiest stage, the last stage's fused op and the first stage's F and W
-make every steady tick 3 units, and the first chunk's W (its whole backward) paces the cool-down, so
-deferring W (what ZB-H1 and DualPipeV do to shorten the cool-down of stages that run freely) shortens no
-tick here. In the schedule's own units (F = B = W = 1) such a program costs more than the free-running
-makespan (`makespan` below), as 1F1B's does.
+The split schedules' ops do not cost alike (executor_op_units): the last chunk's F and B run as one op of
+2 units (its W apart, 1), the first chunk's backward is all W (2). One op per tick, as their schedules place
+them, every tick lasts its slowest stage's op, and at pp=2 and 8 microbatches that program took 1.21x
+1F1B's time (2x H100, llama1b, when the last chunk's op also held its W). In three lanes a steady tick
+holds a stage's F, B and W, 3 units on every stage, as 1F1B's ticks do. What the lanes gain over 1F1B is
+the cool-down: a W waits behind the ops its schedule puts before it (ZB-H1 defers the last stage's W by
+a B, and its last Ws to the end), so the ticks that carry the last microbatch's input gradient down the
+stages hold one B and a deferred W each instead of a B with its own W: zb_h1 costs 26 units where 1F1B
+costs 27 at pp=2 and 8 microbatches, 30 against 33 at pp=4. The rest of ZB-H1's advantage needs stages
+that run freely: at pp=4 its first ticks are paced by the last stage's F+B while stage 0 runs one F a
+tick (27 units free-running). In the schedule's own units (F = B = W = 1) such a program costs more than
+the free-running makespan (`makespan` below), as 1F1B's does.
 
 Ops are placed as soon as possible, in the order of the schedule's free-running timeline: at the
 first tick where the op's lane on its stage is free, its inputs exist (made at an earlier tick, or
 earlier in the same tick on the same stage when nothing has to travel: the loss's B after its F,
-a W after its B) and the link its output leaves on is free. With two lanes this starts forwards
+a W after its B), the link its output leaves on is free, and, for a W, not before the op its stage's
+order puts before it (where the schedule defers a W, so does the program). With two lanes this starts forwards
 earlier than the schedule's order would (stage s of 1F1B holds up to 2(p-s)-1 microbatches instead
 of p-s); `peak_in_flight` says what the program holds, and the memory estimate reads it.
 `makespan` is the program's time in the schedule's cost units (Σ over ticks of the slowest stage's
@@ -40,7 +43,8 @@ slots are assigned by interval colouring, so the pool holds as many slots as the
 at once on any stage. The last slot is a trash slot: a receive with nothing to keep writes there, so
 every store is an unconditional dynamic update. A second, larger pool, the stash, holds what F keeps
 of a chunk (its pullback, ops.py) from F until its last reader (B, or W when split), coloured the
-same way: `stash_slot` is where F writes it and B / W find it.
+same way: `stash_slot` is where F writes it and B / W find it (split, the last chunk's B writes its sites'
+inputs and output gradients there for its W).
 
     tick t, stage s, lane l:  op = kind[t, s, l] on (microbatch, chunk)[t, s, l], position first/mid/last,
                               reads pool[x_slot[t, s, l]], pool[dy_slot[t, s, l]], stash[stash_slot[t, s, l]];
@@ -146,17 +150,19 @@ class TickTables:
 
 def executor_op_units(kind: int, position: int, split_backward: bool) -> int:
     """What an op of the executor (ops.py) costs, in units of a chunk's forward: the last chunk's F is folded
-    into its B (forward and backward of the chunk: 3; the head and loss come on top). A split B of a middle
-    chunk pulls back through it for the input gradient and the sites' output gradients (1) and its W multiplies
+    into its B (forward and backward of the chunk: 3, or 2 when split; the head and loss come on top). A split B
+    pulls back through its chunk for the input gradient and the sites' output gradients (1) and its W multiplies
     each site's kept input by its output gradient (1; weight_grads.py); the first chunk's split backward is all
     W (2), since nobody waits for its input gradient. Where these differ from the schedule's units (F=1, B=2,
     or 1 each when split), the program takes longer than its `makespan` says."""
     if kind == F:
         return 0 if position == LAST else 1
     if kind == B:
-        return 3 if position == LAST else 2 if not split_backward else 0 if position == FIRST else 1
+        if not split_backward:
+            return 3 if position == LAST else 2
+        return 2 if position == LAST else 0 if position == FIRST else 1
     if kind == W:
-        return 2 if position == FIRST else 1 if position == MID else 0
+        return 2 if position == FIRST else 1
     return 0
 
 
@@ -206,6 +212,8 @@ def _place(s: Schedule, lanes: int) -> dict[tuple[str, int, int], _Placed]:
     busy: set[tuple[int, int, int]] = set()  # (tick, stage, lane)
     links: set[tuple[int, int, int]] = set()  # (tick, sender, direction)
     lane_next: dict[tuple[int, int], int] = {}  # (stage, lane) -> first tick its next op may take
+    before = {(b.kind, b.microbatch, s.virtual_stage(b)): (a.kind, a.microbatch, s.virtual_stage(a))
+              for stage_ops in s.ops for a, b in zip(stage_ops, stage_ops[1:])}  # the op before, in its stage's order
     timeline: list[Op] = sorted((op for stage_ops in s.ops for op in stage_ops), key=lambda o: (o.start, o.stage))
     for op in timeline:
         j, lane = s.virtual_stage(op), lane_of[op.kind]
@@ -213,6 +221,10 @@ def _place(s: Schedule, lanes: int) -> dict[tuple[str, int, int], _Placed]:
         for key in _inputs(op.kind, op.microbatch, j, n_virtual):
             local = key[0] == "F" and op.kind == "B" or op.kind == "W"  # read on this stage, not sent
             tick = max(tick, placed[key].tick + (0 if local else 1))
+        if op.kind == "W" and (op.kind, op.microbatch, j) in before:
+            # Where the schedule defers a W behind later ops (ZB-H1's cool-down), so does the program: the W then
+            # shares a tick with those ops instead of lengthening its own B's tick.
+            tick = max(tick, placed[before[op.kind, op.microbatch, j]].tick)
         receiver = _receiver(s, op.kind, j)
         while True:
             link = None if receiver is None else _link(p, op.stage, receiver, tick, links)
@@ -280,12 +292,14 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
 
     # The stash: the pullback of (microbatch, virtual stage j) before the last, from its F until its last
     # reader, both ticks included (F's lane runs before B's within a tick, so a slot B frees at tick t
-    # is free again at t + 1).
+    # is free again at t + 1). Split, the last chunk's B keeps its sites' inputs and output gradients there for
+    # its W.
     stash: dict[tuple[int, int], int] = {}
     n_stash_slots = 0
     for stage in range(p):
-        mine = sorted((placed[("F", mb, j)].tick, placed[(last_reader, mb, j)].tick, (mb, j))
-                      for (kind, mb, j) in placed if kind == "F" and j < n_virtual - 1
+        mine = sorted((placed[(writer, mb, j)].tick, placed[(last_reader, mb, j)].tick, (mb, j))
+                      for (kind, mb, j) in placed for writer in ("F" if j < n_virtual - 1 else "B",)
+                      if kind == writer and (j < n_virtual - 1 or s.split_backward)
                       and stage_and_chunk(s.kind, p, j)[0] == stage)
         free_at = []
         for start, last, key in mine:
