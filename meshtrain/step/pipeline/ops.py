@@ -170,7 +170,8 @@ def chunk_ops(decoder: Decoder, n_layers: int, split_backward: bool, example: tu
     """(kind, position) -> op for chunks of `n_layers` layers, the stash those ops fill and spend, and
     {metric: how many of a chunk's layers sow it}. The ops' layer params are `chunk_weights`.
     `example` is (one chunk's layer params, an input [b, T, D], one microbatch[, the chunk's fp8 histories]),
-    values or shapes. `last_remat`: the last chunk's remat policy (PipelineRun.last_chunk_remat; None: the decoder's, as every other chunk's).
+    values or shapes. `last_remat`: the last chunk's remat policy (PipelineRun.last_chunk_remat; None: the
+    decoder's, as every other chunk's).
     `decoder` must be bound to the mesh the ops run on (inside the executor: the abstract mesh with pp
     manual); its stack builder, head and the step's loss assembly are the ones the whole model uses."""
     rules = decoder.rules

@@ -29,9 +29,9 @@ Ops are placed as soon as possible, in the order of the schedule's free-running 
 first tick where the op's lane on its stage is free, its inputs exist (made at an earlier tick, or
 earlier in the same tick on the same stage when nothing has to travel: the loss's B after its F,
 a W after its B), the link its output leaves on is free, and, for a W, not before the op its stage's
-order puts before it (where the schedule defers a W, so does the program). With two lanes this starts forwards
-earlier than the schedule's order would (stage s of 1F1B holds up to 2(p-s)-1 microbatches instead
-of p-s); `peak_in_flight` says what the program holds, and the memory estimate reads it.
+order puts before it (where the schedule defers a W, so does the program). With two lanes this starts
+forwards earlier than the schedule's order would (stage s of 1F1B holds up to 2(p-s)-1 microbatches
+instead of p-s); `peak_in_flight` says what the program holds, and the memory estimate reads it.
 `makespan` is the program's time in the schedule's cost units (Σ over ticks of the slowest stage's
 ops), comparable with the schedule's free-running makespan.
 
