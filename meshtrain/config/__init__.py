@@ -26,7 +26,7 @@ from meshtrain.config.schema import (
     CHECKPOINT_POINTS, FP8_EXCLUDE_DEFAULT, MATMUL_SITES, MESH_AXES, REMAT_FIXED, CheckpointConfig, Config,
     DataConfig, DistributedConfig, EvalConfig, MeshConfig, ModelConfig, MoEConfig, ParallelConfig, PipelineConfig,
     PrecisionConfig, RunConfig, TrainConfig,
-    fp8_exclude_patterns, padded_vocab, profile_range, remat_parts, tracker_names, with_mesh,
+    fp8_exclude_patterns, padded_vocab, profile_range, remat_parts, runs_plain, tracker_names, with_mesh,
 )
 from meshtrain.config.run_checks import precision_problems, profile_problems
 from meshtrain.config.validation import ConfigError, moe_problems, pipeline_problems, resolve_mesh, validate
@@ -37,7 +37,8 @@ __all__ = [
     "ModelConfig", "MoEConfig",
     "TrainConfig", "DataConfig", "PrecisionConfig", "PipelineConfig", "CheckpointConfig", "EvalConfig",
     "DistributedConfig", "RunConfig", "ParallelConfig",
-    "padded_vocab", "fp8_exclude_patterns", "profile_range", "remat_parts", "tracker_names", "with_mesh",
+    "padded_vocab", "fp8_exclude_patterns", "profile_range", "remat_parts", "runs_plain", "tracker_names",
+    "with_mesh",
     # presets
     "PRESETS", "LLAMA2", "LLAMA3", "LLAMA31",
     # loading

@@ -15,7 +15,7 @@ from typing import Iterable
 
 from meshtrain.config.schema import (
     CHECKPOINT_POINTS, MATMUL_SITES, REMAT_FIXED, TRACKERS, Config, fp8_exclude_patterns, profile_range, remat_parts,
-    tracker_names,
+    runs_plain, tracker_names,
 )
 from meshtrain.config.text_sources import text_source_problems
 
@@ -97,7 +97,7 @@ def precision_problems(cfg: Config) -> list[str]:
     if pc.fp8_amax_history < 1:
         problems.append(f"precision.fp8_amax_history={pc.fp8_amax_history}: must be >= 1")
     problems.extend(fp8_exclude_problems(cfg))
-    head_fp8 = pc.matmul != "bf16" and not any(fnmatch.fnmatchcase("lm_head", p) for p in fp8_exclude_patterns(pc))
+    head_fp8 = not runs_plain(pc, "lm_head")
     if head_fp8 and pc.matmul == "fp8_delayed":
         problems.append(f"precision.fp8_exclude={pc.fp8_exclude!r} lets lm_head run fp8_delayed, but the head matmul "
                         f"sits in the loss, outside the model's state; keep lm_head in precision.fp8_exclude or "

@@ -6,6 +6,7 @@ Pure Python: nothing here validates or loads; validation.py checks these values,
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -327,6 +328,12 @@ def padded_vocab(model: ModelConfig, tp: int) -> int:
 
 def fp8_exclude_patterns(pc: PrecisionConfig) -> tuple[str, ...]:
     return tuple(p.strip() for p in pc.fp8_exclude.split(",") if p.strip())
+
+
+def runs_plain(pc: PrecisionConfig, site: str) -> bool:
+    """Whether matmul `site` runs the bf16 recipe: precision.matmul is bf16 or a fp8_exclude pattern keeps it
+    plain (precision.Precision.recipe decides the same for the model)."""
+    return pc.matmul == "bf16" or any(fnmatch.fnmatchcase(site, p) for p in fp8_exclude_patterns(pc))
 
 
 def profile_range(text: str) -> tuple[int, int] | None:

@@ -39,11 +39,10 @@ estimate.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 from dataclasses import dataclass, field
 
-from meshtrain.config import Config, fp8_exclude_patterns, padded_vocab, remat_parts
+from meshtrain.config import MATMUL_SITES, Config, padded_vocab, remat_parts, runs_plain
 from meshtrain.config.pipeline import last_chunk_remat
 from meshtrain.planning.memory_moe import expert_layer_bytes, grouped_matmul_working_bytes
 from meshtrain.planning.memory_pipeline import chunk_layers, in_flight, stage_activation_bytes
@@ -309,18 +308,9 @@ def split_backward_bytes(cfg: Config, lay: Layout) -> float:
     split pullback keeps more (split_pullback_bytes). memory_pipeline counts it per chunk and stash slot. Nothing
     where every layer site runs an fp8 recipe: only bf16 sites are tapped (model/layers.py `tap_sites`); where some
     do, all are counted (an upper bound)."""
-    if not any(_plain(cfg, site) for site in LAYER_SITES):
+    if not any(runs_plain(cfg.precision, site) for site in MATMUL_SITES if site.startswith(("attn.", "mlp."))):
         return 0.0
     return tapped_site_bytes(cfg, lay) + split_pullback_bytes(cfg, lay)
-
-
-LAYER_SITES = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
-
-
-def _plain(cfg: Config, site: str) -> bool:
-    """Whether a matmul site runs the bf16 recipe (precision.Precision.recipe, without importing jax)."""
-    return cfg.precision.matmul == "bf16" or any(fnmatch.fnmatchcase(site, pattern)
-                                                 for pattern in fp8_exclude_patterns(cfg.precision))
 
 
 def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", grouped_matmul: str = "ragged_dot",

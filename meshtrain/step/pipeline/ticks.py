@@ -294,13 +294,14 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
     # reader, both ticks included (F's lane runs before B's within a tick, so a slot B frees at tick t
     # is free again at t + 1). Split, the last chunk's B keeps its sites' inputs and output gradients there for
     # its W.
+    def writer(j: int) -> str | None:
+        return "F" if j < n_virtual - 1 else "B" if s.split_backward else None
+
     stash: dict[tuple[int, int], int] = {}
     n_stash_slots = 0
     for stage in range(p):
-        mine = sorted((placed[(writer, mb, j)].tick, placed[(last_reader, mb, j)].tick, (mb, j))
-                      for (kind, mb, j) in placed for writer in ("F" if j < n_virtual - 1 else "B",)
-                      if kind == writer and (j < n_virtual - 1 or s.split_backward)
-                      and stage_and_chunk(s.kind, p, j)[0] == stage)
+        mine = sorted((placed[(kind, mb, j)].tick, placed[(last_reader, mb, j)].tick, (mb, j))
+                      for (kind, mb, j) in placed if kind == writer(j) and stage_and_chunk(s.kind, p, j)[0] == stage)
         free_at = []
         for start, last, key in mine:
             idx = next((i for i, f in enumerate(free_at) if f < start), len(free_at))
