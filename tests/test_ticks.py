@@ -15,8 +15,8 @@ import pytest
 
 from meshtrain import schedule as cli
 from meshtrain.step.pipeline.schedules import KINDS, make_schedule, stage_and_chunk
-from meshtrain.step.pipeline.ticks import (FIRST, IDLE, KIND_CODE, LAST, MID, NO_LANE, free_running_op_makespan,
-                                           tick_tables)
+from meshtrain.step.pipeline.ticks import (FIRST, IDLE, KIND_CODE, LAST, MID, NO_LANE, W, _fill_with_ws, _place,
+                                           _tables, free_running_op_makespan, tick_tables)
 
 NAMES = {code: name for name, code in KIND_CODE.items()}
 CASES = [(kind, p, m, 2 if kind in ("interleaved", "dualpipe_v") else 1)
@@ -87,33 +87,56 @@ def test_the_program_runs_every_op_once_on_what_it_reads(kind, p, m, v):
     replay(kind, p, m, v)
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved", "zb_h1"])
 @pytest.mark.parametrize("m", [8, 16])
 def test_the_program_costs_the_schedules_makespan(kind, m):
-    """pp=4: the executor's time in cost units within 10% of the free-running makespan (it is equal)."""
+    """pp=4: the executor's time in cost units within 10% of the free-running makespan: equal for 1F1B and
+    interleaved, one unit more for zb_h1 (28 against 27, 52 against 51)."""
     v = 2 if kind == "interleaved" else 1
     s = make_schedule(kind, 4, m, v)
     program = tick_tables(s)
     assert program.makespan <= 1.1 * s.makespan
-    assert program.makespan == s.makespan
-    # where F and B differ in cost, one op per tick costs more: the lanes pay
-    assert s.lockstep_makespan > 1.15 * s.makespan
+    assert program.makespan == s.makespan + (1 if kind == "zb_h1" else 0)
+    if kind != "zb_h1":  # where F and B differ in cost, one op per tick costs more: the lanes pay
+        assert s.lockstep_makespan > 1.15 * s.makespan
 
 
 @pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("dualpipe_v", 2)])
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
 def test_split_schedules_in_three_lanes_cost_at_most_1f1bs(kind, v, p, m):
     """In what the ops cost (executor_op_units), the three-lane program of a split schedule costs less than one op
-    per tick. zb_h1's costs less than 1F1B's: the last chunk's W waits behind later ops where ZB-H1 defers it, so
-    the cool-down's ticks no longer wait for it (27 -> 26 at pp=2, 33 -> 30 and 57 -> 54 at pp=4); dualpipe_v's
-    costs 1F1B's (in chunks of 1/v the stage: v times the units). In the schedule's units (F = B = W = 1) both cost
-    more than the free-running makespan."""
+    per tick and less than 1F1B's (dualpipe_v's in chunks of 1/v the stage: against v times 1F1B's units): the
+    last chunk's W waits behind later ops where ZB-H1 defers it, and Ws move into ticks with room for them
+    (_fill_with_ws), so the cool-down's ticks no longer wait for them (1F1B 27 -> zb_h1 25 at pp=2, 33 -> 28 and
+    57 -> 52 at pp=4). In the schedule's units (F = B = W = 1) neither costs less than the free-running makespan."""
     s = make_schedule(kind, p, m, v)
     three, one = tick_tables(s), tick_tables(s, lanes=1)
     one_f_one_b = v * tick_tables(make_schedule("1f1b", p, m)).op_makespan
     assert three.n_lanes == 3 and three.op_makespan < one.op_makespan
-    assert three.op_makespan < one_f_one_b if kind == "zb_h1" else three.op_makespan == one_f_one_b
-    assert three.makespan > s.makespan
+    assert three.op_makespan < one_f_one_b
+    assert three.makespan >= s.makespan
+
+
+@pytest.mark.parametrize("kind,v", [("zb_h1", 1), ("dualpipe_v", 2)])
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
+def test_ws_fill_ticks_with_room_and_take_no_more_slots(kind, v, p, m):
+    """The program with its Ws moved (_fill_with_ws) against the same program without the move: fewer units, no
+    more message or stash slots, every W still after its B (the replay above checks what each reads), and each
+    chunk's Ws in microbatch order (fp8_delayed's histories take their amaxes in that order)."""
+    s = make_schedule(kind, p, m, v)
+    placed = _place(s, 3)
+    filled, unfilled = tick_tables(s), _tables(s, placed, 3)
+    assert filled.op_makespan < unfilled.op_makespan
+    assert (filled.n_slots, filled.n_stash_slots) == (unfilled.n_slots, unfilled.n_stash_slots)
+    moved = int(((filled.kind == W) & (unfilled.kind != W)).sum())
+    assert moved > 0
+    filled_placed = _fill_with_ws(s, placed)
+    for (kind_, mb, j), pl in filled_placed.items():
+        if kind_ == "W":
+            assert pl.tick >= placed[("B", mb, j)].tick and pl.lane in (1, 2)
+            if mb:
+                before = filled_placed[("W", mb - 1, j)]
+                assert (before.tick, before.lane) < (pl.tick, pl.lane)
 
 
 @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)])
@@ -121,11 +144,12 @@ def test_split_schedules_in_three_lanes_cost_at_most_1f1bs(kind, v, p, m):
 def test_in_what_its_ops_cost_the_program_against_free_running_stages(kind, v, m):
     """pp=4, in executor_op_units (the last chunk's F inside its B, the first chunk's split backward all W): the
     lockstep program against the same ops run by free-running stages. 1F1B and interleaved lose nothing; zb_h1
-    loses 3 units in its first ticks, where the last stage's F+B (2 units) paces ticks in which stage 0 runs one F:
-    30 against 27 at m=8 (11%), 54 against 51 at m=16 (6%)."""
+    loses one unit: its first ticks are paced by the last stage's F+B (2 units) while stage 0 runs one F, and of
+    the 3 units that costs, moving Ws into the cool-down's ticks wins back 2 (28 against 27 at m=8, 52 against
+    51 at m=16)."""
     s = make_schedule(kind, 4, m, v)
     program, free = tick_tables(s).op_makespan, free_running_op_makespan(s)
-    assert program == free + (3 if kind == "zb_h1" else 0)
+    assert program == free + (1 if kind == "zb_h1" else 0)
 
 
 def test_lanes_pair_f_and_b_and_hold_what_the_order_needs():
@@ -143,7 +167,7 @@ def test_lanes_pair_f_and_b_and_hold_what_the_order_needs():
 def test_cli_reports_the_executors_makespan(capsys):
     assert cli.main(["--schedule", "zb_h1", "--pp", "4", "--microbatches", "16", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert got["makespan"] == 51 and got["executor_makespan"] == 54  # three lanes, W deferred: 1F1B's is 57
+    assert got["makespan"] == 51 and got["executor_makespan"] == 52  # three lanes, Ws deferred: 1F1B's is 57
     assert got["executor_lanes"] == 3 and got["executor_peak_in_flight"] == [7, 5, 3, 1]
     assert cli.main(["--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]) == 0
     assert "executor: 14 ticks of 2 lanes (F, then B) per tick, 33 cost units" in capsys.readouterr().out
@@ -167,6 +191,6 @@ def test_the_programs_time_in_what_its_ops_cost(capsys):
     assert program("interleaved", 2).op_makespan == 51  # in half-size chunks: 25.5 of 1F1B's units
     assert one_op_per_tick("dualpipe_v", 2).op_makespan == 65
     assert one_op_per_tick("zb_h1", p=4).op_makespan == 41  # the middle stages' W: 56 when it pulled back again
-    assert program("zb_h1").op_makespan == 26 and program("dualpipe_v", 2).op_makespan == 54  # three lanes
+    assert program("zb_h1").op_makespan == 25 and program("dualpipe_v", 2).op_makespan == 50  # three lanes
     assert cli.main(["--schedule", "zb_h1", "--pp", "2", "--microbatches", "8"]) == 0
-    assert "the first chunk's backward all in its W): 26 units" in capsys.readouterr().out
+    assert "the first chunk's backward all in its W): 25 units" in capsys.readouterr().out

@@ -8,8 +8,8 @@ runs F while the next runs B, so every tick lasts a B). So a tick has lanes:
 
     lanes = 2 (1f1b, interleaved, F=1 B=2):  lane 0 runs an F, lane 1 a B, one after the other;
             in the steady state every stage runs one F and one B per tick, so no tick waits.
-    lanes = 3 (zb_h1, dualpipe_v, B split into B and W):  lane 0 an F, lane 1 a B, lane 2 a W, in
-            that order; a W may follow its own B in the same tick.
+    lanes = 3 (zb_h1, dualpipe_v, B split into B and W):  lane 0 an F, lane 1 a B (or a W, where
+            no B runs), lane 2 a W, in that order; a W may follow its own B in the same tick.
     lanes = 1 (afab): one op per tick; it runs all F, then all B.
 
 The split schedules' ops do not cost alike (executor_op_units): the last chunk's F and B run as one op of
@@ -19,17 +19,20 @@ them, every tick lasts its slowest stage's op, and at pp=2 and 8 microbatches th
 holds a stage's F, B and W, 3 units on every stage, as 1F1B's ticks do. What the lanes gain over 1F1B is
 the cool-down: a W waits behind the ops its schedule puts before it (ZB-H1 defers the last stage's W by
 a B, and its last Ws to the end), so the ticks that carry the last microbatch's input gradient down the
-stages hold one B and a deferred W each instead of a B with its own W: zb_h1 costs 26 units where 1F1B
-costs 27 at pp=2 and 8 microbatches, 30 against 33 at pp=4. The rest of ZB-H1's advantage needs stages
-that run freely: at pp=4 its first ticks are paced by the last stage's F+B while stage 0 runs one F a
-tick (27 units free-running). In the schedule's own units (F = B = W = 1) such a program costs more than
-the free-running makespan (`makespan` below), as 1F1B's does.
+stages hold one B and a deferred W each instead of a B with its own W; and since nothing waits for a W,
+a W that alone makes its tick longer than the stages without it moves to a later tick with room for it
+(_fill_with_ws: lane 2 or an idle lane 1, no more pool or stash slots). zb_h1 costs 25 units where 1F1B
+costs 27 at pp=2 and 8 microbatches, 28 against 33 at pp=4 (measured on two H200s: 179.9 against 186.1 ms
+at pp=2). The rest of ZB-H1's advantage needs stages that run freely: at pp=4 its first ticks are paced by
+the last stage's F+B while stage 0 runs one F a tick (27 units free-running). In the schedule's units
+(F = B = W = 1) such a program costs at least the free-running makespan (`makespan` below).
 
 Ops are placed as soon as possible, in the order of the schedule's free-running timeline: at the
 first tick where the op's lane on its stage is free, its inputs exist (made at an earlier tick, or
 earlier in the same tick on the same stage when nothing has to travel: the loss's B after its F,
 a W after its B), the link its output leaves on is free, and, for a W, not before the op its stage's
-order puts before it (where the schedule defers a W, so does the program). With two lanes this starts
+order puts before it (where the schedule defers a W, so does the program); then Ws move into ticks with
+room for them (above). With two lanes this starts
 forwards earlier than the schedule's order would (stage s of 1F1B holds up to 2(p-s)-1 microbatches
 instead of p-s); `peak_in_flight` says what the program holds, and the memory estimate reads it.
 `makespan` is the program's time in the schedule's cost units (Σ over ticks of the slowest stage's
@@ -191,6 +194,8 @@ def tick_tables(s: Schedule, lanes: int | None = None) -> TickTables:
     """The executor's program for `s` (module docstring); `lanes` overrides the kind's choice."""
     lanes = lanes or LANES.get(s.kind, 1)
     placed = _place(s, lanes)
+    if s.split_backward and lanes == 3:
+        placed = _fill_with_ws(s, placed)
     return _tables(s, placed, lanes)
 
 
@@ -239,6 +244,90 @@ def _place(s: Schedule, lanes: int) -> dict[tuple[str, int, int], _Placed]:
     return placed
 
 
+def _fill_with_ws(s: Schedule, placed: dict[tuple[str, int, int], _Placed]) -> dict[tuple[str, int, int], _Placed]:
+    """Ws moved later where that shortens a tick and lengthens none (module docstring). A W sends nothing and
+    nothing waits for it, so it may run any tick after its B; a tick lasts its busiest stage. Tick by tick: where
+    every stage that sets the tick's length sets it only by its W, each of those Ws goes to the first later tick
+    in which its stage has lane 2 or 1 free and room under that tick's length; its chunk's Ws then take their
+    places in microbatch order. A move is kept only if it takes no more message or stash slots than the program had
+    (a deferred W holds its dy and its stash entry longer)."""
+    p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
+    stage_of = {j: stage_and_chunk(s.kind, p, j)[0] for j in range(n_virtual)}
+
+    def units(key: tuple[str, int, int]) -> int:
+        j = key[2]
+        position = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
+        return executor_op_units(KIND_CODE[key[0]], position, s.split_backward)
+
+    n_ticks = 1 + max(pl.tick for pl in placed.values())
+    load = np.zeros((n_ticks, p), np.int64)  # [tick, stage]: what the stage runs that tick, in op units
+    taken: set[tuple[int, int, int]] = set()  # (tick, stage, lane)
+    for key, pl in placed.items():
+        load[pl.tick, stage_of[key[2]]] += units(key)
+        taken.add((pl.tick, stage_of[key[2]], pl.lane))
+    budget = _slot_peaks(s, placed)
+    placed = dict(placed)
+    def ws_by_tick(placed: dict) -> dict[int, dict[int, tuple[str, int, int]]]:  # tick -> {stage: a W it runs}
+        ws_at: dict[int, dict[int, tuple[str, int, int]]] = {}
+        for key, pl in placed.items():
+            if key[0] == "W":
+                ws_at.setdefault(pl.tick, {})[stage_of[key[2]]] = key
+        return ws_at
+
+    ws_at = ws_by_tick(placed)
+    for t in range(n_ticks):
+        length = load[t].max()
+        setters = [st for st in range(p) if load[t, st] == length]
+        mine = ws_at.get(t, {})
+        if length == 0 or any(st not in mine for st in setters):
+            continue
+        without = load[t] - np.array([units(mine[st]) if st in setters else 0 for st in range(p)])
+        if without.max() >= length:
+            continue
+        trial, trial_load, moves = dict(placed), load.copy(), []
+        for st in setters:
+            key = mine[st]
+            to = next(((t2, lane) for t2 in range(t + 1, n_ticks) for lane in (2, 1)
+                       if (t2, st, lane) not in taken and trial_load[t2, st] + units(key) <= trial_load[t2].max()),
+                      None)
+            if to is None:
+                break
+            trial_load[t, st] -= units(key)
+            trial_load[to[0], st] += units(key)
+            trial[key] = _Placed(to[0], to[1], None)
+            moves.append((key, st, to))
+        else:
+            trial = _ws_in_microbatch_order(trial, {key[2] for key, _, _ in moves})
+            if all(n <= most for n, most in zip(_slot_peaks(s, trial), budget)):
+                for key, st, (t2, lane) in moves:
+                    taken.discard((t, st, placed[key].lane))
+                    taken.add((t2, st, lane))
+                placed, load, ws_at = trial, trial_load, ws_by_tick(trial)
+    return placed
+
+
+def _ws_in_microbatch_order(placed: dict[tuple[str, int, int], _Placed], chunks: set[int]
+                            ) -> dict[tuple[str, int, int], _Placed]:
+    """The Ws of each virtual stage in `chunks` given their places in microbatch order: fp8_delayed pushes a W's
+    amaxes to its sites' histories as it runs, in the order one device's grad accumulation would. A W moved past
+    a later microbatch's W of its chunk thus takes that one's place, which takes the next, and so on; the load of
+    every tick stays what it was (one chunk's Ws cost alike), and every W still runs after its B (the Bs of a chunk
+    run in microbatch order)."""
+    placed = dict(placed)
+    for j in chunks:
+        mine = sorted(mb for kind, mb, jj in placed if kind == "W" and jj == j)
+        spots = sorted((placed[("W", mb, j)] for mb in mine), key=lambda pl: (pl.tick, pl.lane))
+        placed.update({("W", mb, j): spot for mb, spot in zip(mine, spots)})
+    return placed
+
+
+def _slot_peaks(s: Schedule, placed: dict[tuple[str, int, int], _Placed]) -> tuple[int, int]:
+    """(message slots, stash slots) the program needs: the most messages, and the most stash entries, live at once
+    on any stage (what _tables' interval colouring assigns)."""
+    messages, stash = _lifetimes(s, placed)
+    return _colour(messages, closed=False)[1], _colour(stash, closed=True)[1]
+
+
 def _link(p: int, sender: int, receiver: int, tick: int, links: set) -> int | str:
     """The direction a message leaves on at this tick: 0 to itself, +1 or -1 to a neighbour (with two
     stages both neighbours are one: whichever link is free), or "taken" when its link is in use."""
@@ -252,12 +341,13 @@ def _link(p: int, sender: int, receiver: int, tick: int, links: set) -> int | st
     return "taken"
 
 
-def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int) -> TickTables:
+def _lifetimes(s: Schedule, placed: dict[tuple[str, int, int], _Placed]
+               ) -> tuple[dict[tuple[str, int, int], tuple[int, int, int]], dict[tuple[int, int], tuple[int, int, int]]]:
+    """When each buffer of the program lives, as (stage, first tick, last tick): every message (what, microbatch,
+    virtual stage it is for) from the tick its sender runs (it arrives at that tick's end) to its last reader; every
+    stash entry (microbatch, virtual stage) from its writer to its last reader, both included (F's lane runs before
+    B's within a tick, so a slot B frees at tick t is free again at t + 1)."""
     p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
-    n_ticks = 1 + max(pl.tick for pl in placed.values())
-    last_reader = "W" if s.split_backward else "B"
-
-    # Every message: (what, microbatch, virtual stage it is for) -> its sender's key, and its last reader's tick.
     sent: dict[tuple[str, int, int], tuple[str, int, int]] = {}
     used: dict[tuple[str, int, int], int] = {}
     for (kind, mb, j), pl in placed.items():
@@ -271,43 +361,44 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
         if kind in ("B", "W") and j < n_virtual - 1:
             used[("dy", mb, j)] = max(used.get(("dy", mb, j), -1), pl.tick)
     assert sent.keys() == used.keys(), "every message is read, and every read message is sent"
+    messages = {key: (stage_and_chunk(s.kind, p, key[2])[0], placed[sender].tick, used[key])
+                for key, sender in sent.items()}
 
-    # Interval colouring per stage: a message lives in (sent tick, last read tick].
-    slot: dict[tuple[str, int, int], int] = {}
-    n_slots = 0
-    for stage in range(p):
-        mine = sorted((placed[sent[k]].tick, used[k], k) for k in sent
-                      if stage_and_chunk(s.kind, p, k[2])[0] == stage)
-        free_at: list[int] = []  # per slot: the tick after which it is free again
-        for arrive, last, key in mine:
-            assert last > arrive, f"{key} is read at tick {last}, not after it arrives at the end of tick {arrive}"
-            idx = next((i for i, f in enumerate(free_at) if f <= arrive), len(free_at))
-            if idx == len(free_at):
-                free_at.append(last)
-            else:
-                free_at[idx] = last
-            slot[key] = idx
-        n_slots = max(n_slots, len(free_at))
-    trash = n_slots
+    # The stash holds the pullback of (microbatch, virtual stage j) before the last from its F; split, the last
+    # chunk's B keeps its sites' inputs and output gradients there for its W.
+    last_reader = "W" if s.split_backward else "B"
 
-    # The stash: the pullback of (microbatch, virtual stage j) before the last, from its F until its last
-    # reader, both ticks included (F's lane runs before B's within a tick, so a slot B frees at tick t
-    # is free again at t + 1). Split, the last chunk's B keeps its sites' inputs and output gradients there for
-    # its W.
     def writer(j: int) -> str | None:
         return "F" if j < n_virtual - 1 else "B" if s.split_backward else None
 
-    stash: dict[tuple[int, int], int] = {}
-    n_stash_slots = 0
-    for stage in range(p):
-        mine = sorted((placed[(kind, mb, j)].tick, placed[(last_reader, mb, j)].tick, (mb, j))
-                      for (kind, mb, j) in placed if kind == writer(j) and stage_and_chunk(s.kind, p, j)[0] == stage)
-        free_at = []
-        for start, last, key in mine:
-            idx = next((i for i, f in enumerate(free_at) if f < start), len(free_at))
+    stash = {(mb, j): (stage_and_chunk(s.kind, p, j)[0], pl.tick, placed[(last_reader, mb, j)].tick)
+             for (kind, mb, j), pl in placed.items() if kind == writer(j)}
+    return messages, stash
+
+
+def _colour(lives: dict, closed: bool) -> tuple[dict, int]:
+    """Interval colouring per stage, in the order the intervals start: key -> slot, and the slots the busiest
+    stage needs. A (first, last] interval frees its slot for one that starts at `last`; a closed [first, last]
+    one for one that starts after it."""
+    slot, n_slots = {}, 0
+    for stage in {life[0] for life in lives.values()}:
+        free_at: list[int] = []  # per slot: the last tick it is taken
+        for _, first, last, key in sorted((*life, key) for key, life in lives.items() if life[0] == stage):
+            assert closed or last > first, f"{key} is read at tick {last}, not after it arrives at the end of {first}"
+            idx = next((i for i, f in enumerate(free_at) if (f < first if closed else f <= first)), len(free_at))
             free_at[idx:idx + 1] = [last]
-            stash[key] = idx
-        n_stash_slots = max(n_stash_slots, len(free_at))
+            slot[key] = idx
+        n_slots = max(n_slots, len(free_at))
+    return slot, n_slots
+
+
+def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int) -> TickTables:
+    p, n_virtual = s.n_stages, s.n_stages * s.virtual_stages
+    n_ticks = 1 + max(pl.tick for pl in placed.values())
+    messages, stash_lives = _lifetimes(s, placed)
+    slot, n_slots = _colour(messages, closed=False)
+    stash, n_stash_slots = _colour(stash_lives, closed=True)
+    trash = n_slots
 
     lane_shape, link_shape = (n_ticks, p, lanes), (n_ticks, p)
     kind, position, microbatch, chunk = (np.zeros(lane_shape, np.int32) for _ in range(4))
@@ -323,7 +414,8 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
         x_slot[at] = slot.get(("x", mb, j), trash)
         dy_slot[at] = slot.get(("dy", mb, j), trash)
         stash_slot[at] = stash.get((mb, j), 0)
-    for key, sender_key in sent.items():
+    for key in messages:
+        sender_key = ("F", key[1], key[2] - 1) if key[0] == "x" else ("B", key[1], key[2] + 1)
         pl = placed[sender_key]
         sender = stage_and_chunk(s.kind, p, sender_key[2])[0]
         receiver = stage_and_chunk(s.kind, p, key[2])[0]
