@@ -259,6 +259,14 @@ def _fill_with_ws(s: Schedule, placed: dict[tuple[str, int, int], _Placed]) -> d
         position = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
         return executor_op_units(KIND_CODE[key[0]], position, s.split_backward)
 
+    def ws_by_tick(placed: dict) -> dict[int, dict[int, tuple[str, int, int]]]:
+        """tick -> {stage: a W it runs then}"""
+        ws_at: dict[int, dict[int, tuple[str, int, int]]] = {}
+        for key, pl in placed.items():
+            if key[0] == "W":
+                ws_at.setdefault(pl.tick, {})[stage_of[key[2]]] = key
+        return ws_at
+
     n_ticks = 1 + max(pl.tick for pl in placed.values())
     load = np.zeros((n_ticks, p), np.int64)  # [tick, stage]: what the stage runs that tick, in op units
     taken: set[tuple[int, int, int]] = set()  # (tick, stage, lane)
@@ -266,14 +274,6 @@ def _fill_with_ws(s: Schedule, placed: dict[tuple[str, int, int], _Placed]) -> d
         load[pl.tick, stage_of[key[2]]] += units(key)
         taken.add((pl.tick, stage_of[key[2]], pl.lane))
     budget = _slot_peaks(s, placed)
-    placed = dict(placed)
-    def ws_by_tick(placed: dict) -> dict[int, dict[int, tuple[str, int, int]]]:  # tick -> {stage: a W it runs}
-        ws_at: dict[int, dict[int, tuple[str, int, int]]] = {}
-        for key, pl in placed.items():
-            if key[0] == "W":
-                ws_at.setdefault(pl.tick, {})[stage_of[key[2]]] = key
-        return ws_at
-
     ws_at = ws_by_tick(placed)
     for t in range(n_ticks):
         length = load[t].max()
@@ -341,8 +341,11 @@ def _link(p: int, sender: int, receiver: int, tick: int, links: set) -> int | st
     return "taken"
 
 
+Life = tuple[int, int, int]  # (stage, first tick, last tick) of a buffer
+
+
 def _lifetimes(s: Schedule, placed: dict[tuple[str, int, int], _Placed]
-               ) -> tuple[dict[tuple[str, int, int], tuple[int, int, int]], dict[tuple[int, int], tuple[int, int, int]]]:
+               ) -> tuple[dict[tuple[str, int, int], Life], dict[tuple[int, int], Life]]:
     """When each buffer of the program lives, as (stage, first tick, last tick): every message (what, microbatch,
     virtual stage it is for) from the tick its sender runs (it arrives at that tick's end) to its last reader; every
     stash entry (microbatch, virtual stage) from its writer to its last reader, both included (F's lane runs before
@@ -376,7 +379,7 @@ def _lifetimes(s: Schedule, placed: dict[tuple[str, int, int], _Placed]
     return messages, stash
 
 
-def _colour(lives: dict, closed: bool) -> tuple[dict, int]:
+def _colour(lives: dict[tuple, Life], closed: bool) -> tuple[dict[tuple, int], int]:
     """Interval colouring per stage, in the order the intervals start: key -> slot, and the slots the busiest
     stage needs. A (first, last] interval frees its slot for one that starts at `last`; a closed [first, last]
     one for one that starts after it."""
