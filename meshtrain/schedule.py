@@ -94,8 +94,8 @@ def render_text(s: Schedule, units: str = "tick") -> str:
         "peak in flight per stage (activations held from F to B): " + " ".join(map(str, s.peak_in_flight)),
     ]
     program = tick_tables(s)
-    lanes = {1: "one op per tick", 2: "2 lanes (F, then B) per tick"}.get(program.n_lanes,
-                                                                           "3 lanes (F, B, then W) per tick")
+    lanes = {1: "one op per tick", 2: "2 lanes (F, then B) per tick"}.get(
+        program.n_lanes, "3 lanes (F, B or a deferred W, then W) per tick")
     lines += [f"executor: {program.n_ticks} ticks of {lanes}, {program.makespan:g} cost units; peak in flight "
               "per stage " + " ".join(map(str, program.peak_in_flight)),
               f"executor in what its ops cost (the last chunk's F inside its B; split, the first chunk's backward "
