@@ -7,15 +7,17 @@
     exposed   = the part of communication not hidden behind compute: dp/fsdp gradient and weight
                 traffic overlaps with the backward pass (overlap fraction), tp/sp/cp traffic sits on
                 the critical path of every layer
-    passes    = the memory-bound passes over the parameters (memory_passes_bytes) at HBM bandwidth
+    passes    = the memory-bound passes over the parameters (memory_passes_bytes) at HBM bandwidth, and under a
+                split backward what B keeps for W, written and read back
     latency   = a fixed cost per collective (Rates.latency_*), times the collectives each axis launches on
                 the step's critical path (collective_counts)
     pipeline  = the program the executor runs (step/pipeline/ticks.py), timed: Σ over its lockstep ticks of
                 the busiest stage's ops, each op priced in chunk forwards (ticks.executor_op_units) and the
                 last chunk's backward also carrying the head and loss (head_units); what exceeds the stage's
                 share of the compute is the bubble. So the bubble is the schedule's as the executor runs it,
-                not the formula's (p-1)/m: measured on 2x H100 (llama1b pp=2, m=8, docs/PERFORMANCE.md),
-                zb_h1 / 1f1b = 1.21 against 1.22 from this model, and 1.39 against 1.43 at pp=4
+                not the formula's (p-1)/m: measured on 2x H200 (llama1b pp=2, m=8, docs/PERFORMANCE.md
+                2026-11-28 evening), zb_h1 / 1f1b = 0.967 and dualpipe_v / 1f1b = 1.012 against 0.970 and 1.012
+                from this model (earlier programs, on 2x H100: 1.21 against 1.22, and 1.39 against 1.43 at pp=4)
 
 The bytes per axis follow how meshtrain lays the model out (sharding.py):
     dp        all-reduce of the gradients (replicated params)            2(n-1)/n · 4·P
@@ -39,8 +41,9 @@ import numpy as np
 
 from meshtrain.config import Config, padded_vocab, remat_parts
 from meshtrain.metrics import flops_per_token
-from meshtrain.planning.memory import DTYPE_BYTES, Layout, moe_layers, param_count, param_tensors, sharded_elems
-from meshtrain.planning.memory_pipeline import chunk_layers, program
+from meshtrain.planning.memory import (DTYPE_BYTES, Layout, moe_layers, param_count, param_tensors, sharded_elems,
+                                       split_backward_bytes)
+from meshtrain.planning.memory_pipeline import chunk_layers, is_tapped, program
 from meshtrain.step.pipeline.ticks import B, LAST, executor_op_units
 
 
@@ -229,7 +232,10 @@ def memory_passes_bytes(cfg: Config, lay: Layout) -> float:
     pipeline: each step) casts its sites' weights (4 B read, the compute dtype written; under ZeRO-3 its shard),
     each microbatch of an accumulating step adds its fp32 gradient to the accumulator (12 B), and the optimizer
     reads and writes every local parameter, its gradient and AdamW's moments once a step (20 B + 2x the first
-    moment's dtype)."""
+    moment's dtype). A split backward (zb_h1, dualpipe_v) also writes what each tapped layer keeps for W in B and
+    reads it back in W, for every microbatch and layer of the stage (memory.split_backward_bytes): on two H200s
+    (llama1b, pp=2, 8 microbatches, docs/PERFORMANCE.md 2026-11-28 evening) that predicts 8.6 ms a stage and step,
+    where zb_h1's stages were busy 8.1 and 8.4 ms longer than 1F1B's."""
     g = lay.degrees
     tensors = param_tensors(cfg, g["tp"], g["ep"])
     c, mu = DTYPE_BYTES[cfg.precision.compute], DTYPE_BYTES[cfg.train.adam_mu_dtype]
@@ -237,4 +243,7 @@ def memory_passes_bytes(cfg: Config, lay: Layout) -> float:
     accumulate = 12 * sharded_elems(tensors, lay, lay.zero_stage >= 2) if lay.grad_accum > 1 else 0.0
     optimizer = (20 + 2 * mu) * sharded_elems(tensors, lay, lay.zero_stage >= 1)
     casts = 1 if g["pp"] > 1 else lay.grad_accum  # a pipeline stage casts its chunks once a step (ops.chunk_weights)
-    return casts * cast + lay.grad_accum * accumulate + optimizer
+    split = 0.0
+    if g["pp"] > 1 and is_tapped(lay):
+        split = 2 * split_backward_bytes(cfg, lay) * cfg.model.n_layers / g["pp"] * lay.grad_accum
+    return casts * cast + lay.grad_accum * accumulate + optimizer + split
