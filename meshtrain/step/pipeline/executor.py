@@ -52,8 +52,9 @@ the schedule's makespan in those units (ticks.py: `makespan`). The last chunk's 
 op of 3 units at its B, which 1F1B places in the same tick anyway (split: 2, and its W 1, placed where
 the schedule defers it). A split B pulls back once, for the input gradient and the sites' output
 gradients, and its W is one matmul per site (ops.py, weight_grads.py): 1 unit each by the formula's
-clock, about 3:1 in time (on an H100, llama1b's half: B 12 ms, W 4 ms, the unsplit B 16 ms). The first chunk's split backward is all W (its B does
-nothing: nobody waits for its input gradient), which the lockstep ticks of zb_h1 at pp=2 favour.
+clock, about 3:1 in time (on an H100, llama1b's half: B 12 ms, W 4 ms, the unsplit B 16 ms). The first
+chunk's split backward is all W (its B does nothing: nobody waits for its input gradient), which the
+lockstep ticks of zb_h1 at pp=2 favour.
 Every tick sends one [b, T, D] message each way, whether or not a stage has one; the embedding/head psum
 adds one all-reduce of those parameters over pp per step (ticks.py `executor_op_units` prices the ops).
 """

@@ -169,18 +169,22 @@ def executor_op_units(kind: int, position: int, split_backward: bool) -> int:
     return 0
 
 
+def _position(j: int, n_virtual: int) -> int:
+    """Where virtual stage j's chunk sits in the model: FIRST (embeds), LAST (computes the loss) or MID."""
+    return FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
+
+
+def _op_units(s: Schedule, kind: str, j: int) -> int:
+    """executor_op_units of op `kind` on virtual stage j of `s`."""
+    return executor_op_units(KIND_CODE[kind], _position(j, s.n_stages * s.virtual_stages), s.split_backward)
+
+
 def free_running_op_makespan(s: Schedule) -> float:
     """The schedule's free-running makespan (every stage runs its ops in order, each as soon as its inputs are
     made, transfers free) in what the executor's ops cost (`executor_op_units`) instead of the schedule's units:
     the time a runtime whose stages run freely would take for these ops, against which the lockstep program's
     `op_makespan` is measured."""
-    n_virtual = s.n_stages * s.virtual_stages
-
-    def cost(kind: str, j: int) -> int:
-        position = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
-        return executor_op_units(KIND_CODE[kind], position, s.split_backward)
-
-    return s.makespan_in(cost)
+    return s.makespan_in(lambda kind, j: _op_units(s, kind, j))
 
 
 @dataclass(frozen=True)
@@ -255,9 +259,7 @@ def _fill_with_ws(s: Schedule, placed: dict[tuple[str, int, int], _Placed]) -> d
     stage_of = {j: stage_and_chunk(s.kind, p, j)[0] for j in range(n_virtual)}
 
     def units(key: tuple[str, int, int]) -> int:
-        j = key[2]
-        position = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
-        return executor_op_units(KIND_CODE[key[0]], position, s.split_backward)
+        return _op_units(s, key[0], key[2])
 
     def ws_by_tick(placed: dict) -> dict[int, dict[int, tuple[str, int, int]]]:
         """tick -> {stage: a W it runs then}"""
@@ -413,7 +415,7 @@ def _tables(s: Schedule, placed: dict[tuple[str, int, int], _Placed], lanes: int
         st, ch = stage_and_chunk(s.kind, p, j)
         at = (pl.tick, st, pl.lane)
         kind[at], microbatch[at], chunk[at] = KIND_CODE[name], mb, ch
-        position[at] = FIRST if j == 0 else LAST if j == n_virtual - 1 else MID
+        position[at] = _position(j, n_virtual)
         x_slot[at] = slot.get(("x", mb, j), trash)
         dy_slot[at] = slot.get(("dy", mb, j), trash)
         stash_slot[at] = stash.get((mb, j), 0)
