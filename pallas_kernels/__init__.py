@@ -10,6 +10,7 @@ from pallas_kernels.attention import (FORWARD_OUTPUTS as FLASH_FORWARD_OUTPUTS, 
                                       flash_attention_reference, mosaic_unavailable)
 from pallas_kernels.cross_entropy import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                                           linear_cross_entropy_reference)
+from pallas_kernels.cross_entropy_sum import linear_cross_entropy_sum
 from pallas_kernels.fp8_cast import Fp8CastBlockSizes, cast_transpose, cast_transpose_reference
 from pallas_kernels.grouped_matmul import GroupedMatmulBlockSizes, gmm, grouped_matmul_reference
 from pallas_kernels.rms_norm import RmsNormBlockSizes, rms_norm, rms_norm_reference
@@ -31,6 +32,7 @@ __all__ = [
     "grouped_matmul_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_cross_entropy_sum",
     "mosaic_unavailable",
     "rms_norm",
     "rms_norm_reference",

@@ -58,17 +58,19 @@ def pallas_rms_norm(x_btd: jax.Array, scale_d: jax.Array, eps: float, out_dtype:
     return shard_local(local, rules, (RESIDUAL, (None,)), RESIDUAL)(x_btd, scale_d)
 
 
-def fused_cross_entropy(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, vocab_size: int,
-                        rules: ShardingRules, interpret: bool) -> jax.Array:
-    """Per-token loss [B, T] without materializing the [B, T, V] logits.
+def fused_cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, vocab_size: int,
+                            rules: ShardingRules) -> jax.Array:
+    """The loss summed over labelled tokens (fp32 scalar) without materializing the [B, T, V] logits.
 
-    The kernel needs the whole vocabulary for its logsumexp, so a tp-sharded head is gathered
-    (one [D, V] copy per device) and padded vocabulary columns are cut off.
+    Each device sums its own tokens' losses, the gradient made in the forward (pallas_kernels.cross_entropy_sum);
+    its sum comes out as a [1, 1] block of a [batch shards, sequence shards] array, which the caller's sum
+    finishes. The kernel needs the whole vocabulary for its logsumexp, so a tp-sharded head is gathered (one
+    [D, V] copy per device); cast first, so that a ZeRO-3 gather moves the compute dtype.
     """
     def local(h, w, labels):
         b, t, d = h.shape
-        loss_n = pk.linear_cross_entropy(h.reshape(b * t, d), w[:, :vocab_size].astype(h.dtype),
-                                         labels.reshape(b * t), ignore_index=-100, interpret=interpret)
-        return loss_n.reshape(b, t)
+        loss = pk.linear_cross_entropy_sum(h.reshape(b * t, d), w, labels.reshape(b * t), vocab_size=vocab_size)
+        return loss.reshape(1, 1)
 
-    return shard_local(local, rules, (HEAD_IN, (None, None), SEQ), SEQ)(h_btd, head_dv, labels_bt)
+    head_dv = head_dv.astype(h_btd.dtype)
+    return jnp.sum(shard_local(local, rules, (HEAD_IN, (None, None), SEQ), SEQ)(h_btd, head_dv, labels_bt))

@@ -47,6 +47,7 @@ from meshtrain.config.pipeline import last_chunk_remat
 from meshtrain.planning.memory_moe import expert_layer_bytes, grouped_matmul_working_bytes
 from meshtrain.planning.memory_pipeline import chunk_layers, in_flight, stage_activation_bytes
 from meshtrain.resolve import Execution
+from pallas_kernels.cross_entropy_sum import token_chunk
 
 AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by config dtype name
@@ -353,10 +354,16 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
     c = DTYPE_BYTES[cfg.precision.compute]
     n = tokens_per_device(cfg, lay)
-    v = padded_vocab(m, g["tp"]) / g["tp"]
-    # Around the stack: fp32 logits and exp kept for the loss gradient, the label mask, the final norm
-    # and the stack's input.
-    head = n * v * (4 + 4 + 1) + n * m.d_model * (2 * 4 + c)
+    # Around the stack: the final norm and the stack's input, and the loss's own buffers.
+    head = n * m.d_model * (2 * 4 + c)
+    if cfg.model.loss == "fused":
+        # Over the whole vocabulary: the head's compute-dtype copy (gathered over tp and a ZeRO-3 fsdp), one
+        # token chunk's fp32 logits and its dlogits, the fp32 weight gradient, the fp32 dh
+        # (pallas_kernels.cross_entropy_sum).
+        v = padded_vocab(m, g["tp"])
+        head += token_chunk(int(n), v) * v * (4 + c) + m.d_model * v * (c + 4) + n * m.d_model * 4
+    else:  # fp32 logits and exp kept for the loss gradient, the label mask
+        head += n * padded_vocab(m, g["tp"]) / g["tp"] * (4 + 4 + 1)
     batch_in = 4 * 4 * lay.grad_accum * n  # the four int32 batch fields, all microbatches
     # The layer being differentiated holds about one full set more: its cotangents (remat none) or its
     # recomputed activations (any other policy); under the microbatch scan, also its weights, which the scan's

@@ -43,7 +43,7 @@ def cross_entropy(model: Decoder, h_btd: jax.Array, head_dv: jax.Array, targets_
                   ) -> tuple[jax.Array, jax.Array]:
     """(cross-entropy summed over labelled tokens, their count) of the final hidden states under the head."""
     return cross_entropy_sum(h_btd, head_dv, targets_bt, policy=model.policy, rules=model.rules,
-                             vocab_size=model.cfg.vocab_size, impl=model.exe.loss, interpret=model.exe.interpret)
+                             vocab_size=model.cfg.vocab_size, impl=model.exe.loss)
 
 
 def objective(ce: jax.Array, n: jax.Array, sown: dict) -> tuple[jax.Array, dict]:
