@@ -1,4 +1,7 @@
-"""Linear + softmax cross-entropy without materializing the [N, V] logits.
+"""Linear + softmax cross-entropy per token without materializing the [N, V] logits.
+
+For any cotangent of the per-token losses. A summed training loss has one scalar cotangent and takes
+cross_entropy_sum.py instead (`model.loss=fused`): token chunks, no logits recomputed.
 
 Blocked over the vocabulary with XLA matmuls (cuBLAS) in a `lax.fori_loop`; no Pallas call:
 the work is three-quarters matmul, where cuBLAS beats a Triton-lowered Pallas matmul, and the
