@@ -2,7 +2,8 @@
 [--verify K] [--gpu h100|h200] [--rate name=value ...]`
 
 Searches layouts for the model and global batch of the config: the seven mesh axes x ZeRO stage
-x remat policy x microbatch size x grad_accum x (with pp) the pipeline schedule and its virtual stages.
+x remat policy x microbatch size x grad_accum x (with pp) the pipeline schedule and its virtual stages; a
+layout over memory with the plain loss is tried with the fused one.
 Each is estimated analytically (planning/memory.py, planning/timing.py); the fitting ones are ranked
 by predicted step time and printed with their memory breakdown, then the fastest of every other family
 (the axes a layout uses) that fits, and every family that has no fitting member, with the reason.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import cli_env
 
-from meshtrain.config import ConfigError, build_config
+from meshtrain.config import ConfigError, build_config, load_config
 from meshtrain.config.pipeline import validate_args
 from meshtrain.launch import validated_mesh
 from meshtrain.planning import collectives as col
@@ -374,6 +374,27 @@ def test_plan_searches_pipelines_with_a_microbatch_per_stage():
                                                                       ("dualpipe_v", 2)}
     assert not any(validate_args(lay.schedule, lay.degrees["pp"], lay.grad_accum, lay.virtual_stages) or
                    cfg.model.n_layers % (lay.degrees["pp"] * lay.virtual_stages) for lay in piped)
+
+
+def test_plan_takes_the_fused_loss_only_where_the_plain_one_does_not_fit():
+    """Llama-3-8B at 6 sequences a GPU on two H200s fits only with the fused loss, which the plan then proposes first
+    (what configs/llama3_8b_2xh200.yaml runs: 128.6 GiB measured); a layout that fits with the plain loss keeps it."""
+    from meshtrain.planning.search import search
+    from meshtrain.planning.timing import Rates
+
+    cfg = load_config("configs/llama3_8b_2xh200.yaml", ["model.loss=reference"])
+    fits, _ = search(cfg, 2, 133.4 * 2**30, Rates.preset("h200"), top=None)
+    best = fits[0].layout
+    assert (best.loss, best.degrees["fsdp"], best.zero_stage, best.remat, best.grad_accum) == (
+        "fused", 2, 3, "save_dots_attn", 1), best.label()
+    assert "model.loss=fused" in best.overrides()
+    plain = [c for c in fits if c.layout.loss == "reference"]
+    assert plain and all(c.memory.total <= 133.4 * 2**30 for c in plain)
+    for c in fits:  # the fused loss appears only where the same layout with the plain loss is over memory
+        g = c.layout.degrees
+        if c.layout.loss == "fused" and g["pp"] == g["cp"] == g["sp"] == 1:  # cuDNN attention: "flash"
+            alone = estimate(cfg, replace(c.layout, loss="reference"), "flash", backend="gpu").total
+            assert alone > 133.4 * 2**30, c.layout.label()
 
 
 def test_pipeline_options_are_the_schedules_that_run():

@@ -41,10 +41,10 @@ def _fixes(lay: Layout, cfg: Config) -> list[tuple[str, Config, Layout]]:
     out = []
     if cfg.model.scan_layers and g["pp"] == 1:  # less memory over fsdp on GPUs, and faster there (planning/memory.py)
         out.append(("model.scan_layers=false", replace(cfg, model=replace(cfg.model, scan_layers=False)), lay))
-    if cfg.model.loss == "reference" and runs_plain(cfg.precision, "lm_head"):
+    if lay.loss == "reference" and runs_plain(cfg.precision, "lm_head"):
         # A token chunk's logits instead of all of them, at the same step time (Llama-3-8B on two H200s and the
         # 1.36B on one, docs/PERFORMANCE.md); an fp8 head has no fused form (config/run_checks.py).
-        out.append(("model.loss=fused", replace(cfg, model=replace(cfg.model, loss="fused")), lay))
+        out.append(("model.loss=fused", replace(cfg, model=replace(cfg.model, loss="fused")), replace(lay, loss="fused")))
     if g["fsdp"] > 1:
         for z in range(lay.zero_stage + 1, 4):
             out.append((f"train.zero_stage={z}", cfg, replace(lay, zero_stage=z)))

@@ -65,20 +65,21 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
     virtual_stages: int = 1  # its chunks per stage
+    loss: str = "reference"  # model.loss: `fused` holds one token chunk's logits, not all of them
 
     @classmethod
     def of(cls, cfg: Config) -> "Layout":
         """The layout `cfg` asks for, its pipeline schedule included."""
         return cls({a: getattr(cfg.mesh, a) for a in AXES}, cfg.train.zero_stage, cfg.train.remat,
                    cfg.train.global_batch // cfg.train.grad_accum, cfg.train.grad_accum,
-                   cfg.parallel.sequence_parallel, cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+                   cfg.parallel.sequence_parallel, cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cfg.model.loss)
 
     def overrides(self) -> list[str]:
         """The config overrides that select this layout."""
         return ([f"mesh.{a}={self.degrees[a]}" for a in AXES] +
                 [f"train.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
                  f"train.grad_accum={self.grad_accum}",
-                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
+                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}", f"model.loss={self.loss}"]
                 + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
                     "model.scan_layers=true"]  # the stages split the stacked layer axis (a chunk runs it unrolled)
                    if self.degrees["pp"] > 1 else [])
@@ -96,7 +97,8 @@ class Layout:
         pipe = ""
         if self.degrees["pp"] > 1:
             pipe = f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return f"{mesh}{sp}{pipe} Z{self.zero_stage} {self.remat} mb{self.micro_batch}x{self.grad_accum}"
+        loss = " fused-loss" if self.loss == "fused" else ""
+        return f"{mesh}{sp}{pipe} Z{self.zero_stage} {self.remat} mb{self.micro_batch}x{self.grad_accum}{loss}"
 
 
 @dataclass(frozen=True)
@@ -356,7 +358,7 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     n = tokens_per_device(cfg, lay)
     # Around the stack: the final norm and the stack's input, and the loss's own buffers.
     head = n * m.d_model * (2 * 4 + c)
-    if cfg.model.loss == "fused":
+    if lay.loss == "fused":
         # Over the whole vocabulary: the head's compute-dtype copy (gathered over tp and a ZeRO-3 fsdp), one
         # token chunk's fp32 logits and its dlogits, the fp32 weight gradient, the fp32 dh
         # (pallas_kernels.cross_entropy_sum).

@@ -2,7 +2,8 @@
 
 Candidates: every factorisation of the device count over the seven axes x ZeRO stage x remat
 policy x microbatch size x grad_accum (microbatch x grad_accum = global batch) x, where pp > 1, the
-pipeline schedule and its virtual stages (pipeline_options), filtered by what the model's shape allows
+pipeline schedule and its virtual stages (pipeline_options); a layout that does not fit with the plain loss
+is tried with the fused one (model.loss). Filtered by what the model's shape allows
 (heads over tp, sequence over cp/sp, sequences over dp/fsdp, layers over pp x virtual stages). Layouts are
 grouped into families (which axes are used) so that the planner can say why a family was dropped:
 "does not divide", "not available in this version" or "over memory by X GiB at best".
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from meshtrain.config import Config, ConfigError, build_config, validate
+from meshtrain.config import Config, ConfigError, build_config, runs_plain, validate
 from meshtrain.config.pipeline import validate_args
 from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, estimate, run_estimate
 from meshtrain.planning.timing import Rates, step_time
@@ -88,6 +89,7 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
     refused: dict[str, str] = {}
     unavailable: dict[str, list[Candidate]] = {}
     gb = cfg.train.global_batch
+    fused_loss_may_help = cfg.model.loss == "reference" and runs_plain(cfg.precision, "lm_head")
     accums = [a for a in (1, 2, 4, 8, 16, 32, 64) if gb % a == 0]
     for shape in factorizations(n_devices, len(AXES)):
         degrees = dict(zip(AXES, shape))
@@ -103,7 +105,7 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
         schedules = {a: pipeline_options(cfg, pp, a) if pp > 1 else [(cfg.pipeline.schedule, 1)] for a in accums}
         runnable = [a for a in accums if (gb // a) % (degrees["dp"] * degrees["fsdp"]) == 0 and schedules[a]]
         for sp_flag in ((False, True) if degrees["tp"] > 1 else (False,)):
-            base = Layout(degrees, sequence_parallel=sp_flag)
+            base = Layout(degrees, sequence_parallel=sp_flag, loss=cfg.model.loss)
             fam = family(base)
             # Validated as its first runnable knobs, or (none runnable) as the most microbatches, so that the
             # config error names what else stops the family.
@@ -133,6 +135,10 @@ def search(cfg: Config, n_devices: int, device_bytes: float, rates: Rates, *, ba
                 lay = replace(base, zero_stage=zero, remat=remat, micro_batch=gb // accum, grad_accum=accum,
                               schedule=kind, virtual_stages=v)
                 cand = evaluate(cfg, lay, rates, n_devices, attention_impl, backend)
+                if cand.memory.total > device_bytes and fused_loss_may_help:
+                    # The fused loss costs no time (docs/PERFORMANCE.md); it is tried only where the plain one
+                    # does not fit, so the plan keeps the config's own loss wherever that runs.
+                    cand = evaluate(cfg, replace(lay, loss="fused"), rates, n_devices, attention_impl, backend)
                 prev = best_by_family.get(fam)
                 if prev is None or cand.memory.total < prev.memory.total:
                     best_by_family[fam] = cand
