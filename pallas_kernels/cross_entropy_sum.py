@@ -5,7 +5,7 @@ while each chunk's logits are at hand, kept, and scaled by g in the backward. Wa
 columns, as linear_cross_entropy does) gives every chunk its whole logsumexp at once, so nothing is recomputed:
 
   for each chunk of Nc tokens (a scan):
-      z = h_c @ w                     fp32 [Nc, V]: the largest thing alive, about tile_bytes
+      z = h_c @ w                     fp32 [Nc, V]: the largest thing alive, at most TILE_BYTES
       loss += sum(lse(z) - z_label)   over labelled tokens
       dz = softmax(z) - onehot        h.dtype, 0 on ignored tokens
       dh_c = dz @ w^T                 fp32 [Nc, D], a scan output
@@ -14,8 +14,9 @@ columns, as linear_cross_entropy does) gives every chunk its whole logsumexp at 
 
 Three GEMMs of 2*N*D*V, as the plain head has (linear_cross_entropy's vocab walk recomputes the logits: four).
 Memory beyond the inputs: one logits tile and its dz, the [D, V] fp32 dw and the [N, D] fp32 dh, where the plain
-version holds [N, V] fp32 logits, their exponentials and their gradient (Llama-3-8B, 5 sequences of 4096 a GPU:
-about 5 GiB against 22). Without differentiation (evaluation) only the first two lines of the loop run.
+version holds [N, V] fp32 logits, their exponentials and their gradient (Llama-3-8B at 5 sequences of 4096 a GPU on
+two H200s: the step's peak 8.8 GiB lower, its time unchanged). Without differentiation (evaluation) only the first
+two lines of the loop run.
 No Pallas call: the work is GEMMs, which cuBLAS does best, and one fused elementwise pass per chunk.
 """
 from __future__ import annotations
