@@ -139,6 +139,18 @@ def _lce_bwd(plan, res, dloss):
 _lce.defvjp(_lce_fwd, _lce_bwd)
 
 
+def check_head_args(h, w, labels) -> None:
+    """Raise ValueError unless h [N, D] and w [D, V] are floats with matching D and labels [N] are integers."""
+    check_float_dtype("h", h)
+    check_float_dtype("w", w)
+    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[0]:
+        raise ValueError(f"need h [N, D] and w [D, V] with matching D; got h.shape={h.shape}, w.shape={w.shape}")
+    if labels.shape != (h.shape[0],):
+        raise ValueError(f"labels must have shape (N,) = ({h.shape[0]},); got {labels.shape}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels must be integers; got {labels.dtype}")
+
+
 def linear_cross_entropy(h, w, labels, *, ignore_index: int = -100,
                          block_sizes: LinearCrossEntropyBlockSizes | None = None, interpret: bool = False):
     """Per-token loss [N] fp32 of softmax(h @ w) against labels; 0 where labels == ignore_index.
@@ -148,14 +160,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int = -100,
     h and w. `interpret` is accepted for a uniform kernel API; this op makes no Pallas call.
     """
     del interpret
-    check_float_dtype("h", h)
-    check_float_dtype("w", w)
-    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[0]:
-        raise ValueError(f"need h [N, D] and w [D, V] with matching D; got h.shape={h.shape}, w.shape={w.shape}")
-    if labels.shape != (h.shape[0],):
-        raise ValueError(f"labels must have shape (N,) = ({h.shape[0]},); got {labels.shape}")
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"labels must be integers; got {labels.dtype}")
+    check_head_args(h, w, labels)
     bs = block_sizes or LinearCrossEntropyBlockSizes()
     if not isinstance(bs, LinearCrossEntropyBlockSizes):
         raise ValueError(f"block_sizes must be a LinearCrossEntropyBlockSizes; got {type(bs).__name__}")

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import check_float_dtype
+from pallas_kernels.cross_entropy import check_head_args
 
 TILE_BYTES = 2 << 30  # fp32 logits of one token chunk: Llama-3-8B's vocabulary, 4096 tokens a chunk
 
@@ -120,14 +120,7 @@ def linear_cross_entropy_sum(h, w, labels, *, vocab_size: int | None = None, ign
     in [0, vocab_size) or ignore_index. Columns of w at or past vocab_size (padding to shard the vocabulary) take
     no part. tokens_per_chunk: tokens a chunk (default: token_chunk's choice).
     """
-    check_float_dtype("h", h)
-    check_float_dtype("w", w)
-    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[0]:
-        raise ValueError(f"need h [N, D] and w [D, V] with matching D; got h.shape={h.shape}, w.shape={w.shape}")
-    if labels.shape != (h.shape[0],):
-        raise ValueError(f"labels must have shape (N,) = ({h.shape[0]},); got {labels.shape}")
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise ValueError(f"labels must be integers; got {labels.dtype}")
+    check_head_args(h, w, labels)
     v = w.shape[1] if vocab_size is None else vocab_size
     if not 0 < v <= w.shape[1]:
         raise ValueError(f"vocab_size must be in [1, {w.shape[1]}] (w's columns); got {vocab_size}")

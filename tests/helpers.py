@@ -224,3 +224,17 @@ def compile_for_sm90(body: str, dtype: str) -> list[str]:
     words = proc.stdout.split()
     assert words[:1] == ["compiled:"], proc.stdout
     return words[1:]
+
+
+def rel_l2(a, b) -> float:
+    """Relative L2 error of a against b, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30))
+
+
+def loss_and_vjp(fn, h, w, labels, cotangent):
+    """(fn(h, w, labels), its vjp in h and w for `cotangent`), jitted: a kernel and its reference compared alike."""
+    def f(h, w):
+        loss, vjp = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
+        return (loss,) + vjp(cotangent)
+    return jax.jit(f)(h, w)

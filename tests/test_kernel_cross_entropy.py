@@ -8,21 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import loss_and_vjp, rel_l2
 
 from pallas_kernels import (LinearCrossEntropyBlockSizes, linear_cross_entropy,
                             linear_cross_entropy_reference)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30)
-
-
-def _run(fn, h, w, labels, dloss):
-    def f(h, w):
-        loss, vjp = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
-        return (loss,) + vjp(dloss)
-    return jax.jit(f)(h, w)
 
 
 @pytest.mark.parametrize("dtype,grad_tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
@@ -35,9 +24,9 @@ def test_matches_reference(dtype, grad_tol, v, chunk):
     labels = jax.random.randint(ks[2], (n,), 0, v).at[::7].set(-100)
     dloss = jax.random.normal(ks[3], (n,), jnp.float32)
     bs = LinearCrossEntropyBlockSizes(vocab_chunk=chunk)
-    got = _run(lambda h, w, l: linear_cross_entropy(h, w, l, block_sizes=bs, interpret=True),
+    got = loss_and_vjp(lambda h, w, l: linear_cross_entropy(h, w, l, block_sizes=bs, interpret=True),
                h, w, labels, dloss)
-    want = _run(linear_cross_entropy_reference, h, w, labels, dloss)
+    want = loss_and_vjp(linear_cross_entropy_reference, h, w, labels, dloss)
     loss = np.asarray(got[0])
     assert got[0].dtype == jnp.float32 and got[0].shape == (n,)
     np.testing.assert_array_equal(loss[::7], 0.0)  # ignored tokens
@@ -45,7 +34,7 @@ def test_matches_reference(dtype, grad_tol, v, chunk):
     for name, g, ref, tol in zip(("loss", "dh", "dw"), got, want, (1e-5, grad_tol, grad_tol)):
         assert g.shape == ref.shape and g.dtype == ref.dtype, name
         assert np.isfinite(np.asarray(g, np.float32)).all(), name
-        err = _rel(g, ref)
+        err = rel_l2(g, ref)
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
@@ -56,7 +45,7 @@ def test_custom_ignore_index():
     got = linear_cross_entropy(h, w, labels, ignore_index=5,
                                block_sizes=LinearCrossEntropyBlockSizes(vocab_chunk=16))
     np.testing.assert_array_equal(np.asarray(got)[3:5], 0.0)
-    assert _rel(got, linear_cross_entropy_reference(h, w, labels, ignore_index=5)) < 1e-5
+    assert rel_l2(got, linear_cross_entropy_reference(h, w, labels, ignore_index=5)) < 1e-5
 
 
 @pytest.mark.parametrize("h_shape,w_shape,l_shape,match", [
@@ -84,10 +73,10 @@ def test_gpu_matches_reference_and_saves_memory():
     w = (jax.random.normal(ks[1], (d, v), jnp.float32) / 32).astype(jnp.bfloat16)
     labels = jax.random.randint(ks[2], (n,), 0, v).at[::11].set(-100)
     dloss = jax.random.normal(ks[3], (n,), jnp.float32)
-    got = _run(linear_cross_entropy, h, w, labels, dloss)
-    want = _run(linear_cross_entropy_reference, h, w, labels, dloss)
+    got = loss_and_vjp(linear_cross_entropy, h, w, labels, dloss)
+    want = loss_and_vjp(linear_cross_entropy_reference, h, w, labels, dloss)
     for g, ref in zip(got, want):
-        assert _rel(g, ref) < 1e-2
+        assert rel_l2(g, ref) < 1e-2
 
     def temp_bytes(fn):
         f = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(fn(h, w, labels)), argnums=(0, 1)))

@@ -8,26 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import loss_and_vjp, rel_l2
 
 from pallas_kernels import linear_cross_entropy_reference, linear_cross_entropy_sum
 from pallas_kernels.cross_entropy_sum import token_chunk
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30)
-
-
 def _reference_sum(h, w, labels, vocab_size):
     """The plain head over the real columns only: what padding columns must not change."""
     return jnp.sum(linear_cross_entropy_reference(h, w[:, :vocab_size], labels))
-
-
-def _loss_and_grads(fn, h, w, labels, g):
-    def f(h, w):
-        loss, vjp = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
-        return (loss,) + vjp(g)
-    return jax.jit(f)(h, w)
 
 
 @pytest.mark.parametrize("dtype,grad_tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
@@ -44,13 +33,13 @@ def test_matches_reference(dtype, grad_tol, n, chunk, vocab_size):
     w = (jax.random.normal(ks[1], (d, v), jnp.float32) / 4).at[:, vocab_size:].set(8.0).astype(dtype)
     labels = jax.random.randint(ks[2], (n,), 0, vocab_size).at[::7].set(-100)
     g = jnp.float32(0.37)  # the cotangent of a summed loss: one scalar (1/token count in a train step)
-    got = _loss_and_grads(lambda h, w, l: linear_cross_entropy_sum(h, w, l, vocab_size=vocab_size,
+    got = loss_and_vjp(lambda h, w, l: linear_cross_entropy_sum(h, w, l, vocab_size=vocab_size,
                                                                    tokens_per_chunk=chunk), h, w, labels, g)
-    want = _loss_and_grads(lambda h, w, l: _reference_sum(h, w, l, vocab_size), h, w, labels, g)
+    want = loss_and_vjp(lambda h, w, l: _reference_sum(h, w, l, vocab_size), h, w, labels, g)
     assert got[0].dtype == jnp.float32 and got[0].shape == ()
     for name, x, ref, tol in zip(("loss", "dh", "dw"), got, want, (1e-5, grad_tol, grad_tol)):
         assert x.shape == ref.shape and x.dtype == ref.dtype, name
-        err = _rel(x, ref)
+        err = rel_l2(x, ref)
         assert err < tol, f"{name}: relative error {err:.2e}"
     np.testing.assert_array_equal(np.asarray(got[2], np.float32)[:, vocab_size:], 0.0)  # no gradient to padding
     np.testing.assert_array_equal(np.asarray(got[1], np.float32)[::7], 0.0)  # nor from ignored tokens
@@ -76,7 +65,7 @@ def test_weight_gradient_comes_back_in_its_dtype():
     dh, dw = jax.grad(lambda h, w: linear_cross_entropy_sum(h, w, labels), argnums=(0, 1))(h, w)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     want = jax.grad(lambda w: _reference_sum(h, w.astype(jnp.bfloat16), labels, 64))(w)
-    assert _rel(dw, want) < 1e-2
+    assert rel_l2(dw, want) < 1e-2
 
 
 def test_token_chunk_keeps_the_logits_tile_within_its_bytes():
@@ -108,10 +97,10 @@ def test_gpu_matches_reference_and_saves_memory():
     w = (jax.random.normal(ks[1], (d, v), jnp.float32) / 32).astype(jnp.bfloat16)
     labels = jax.random.randint(ks[2], (n,), 0, v).at[::11].set(-100)
     fused = lambda h, w, l: linear_cross_entropy_sum(h, w, l, tokens_per_chunk=2048)  # noqa: E731
-    got = _loss_and_grads(fused, h, w, labels, jnp.float32(1.0 / n))
-    want = _loss_and_grads(lambda h, w, l: _reference_sum(h, w, l, v), h, w, labels, jnp.float32(1.0 / n))
+    got = loss_and_vjp(fused, h, w, labels, jnp.float32(1.0 / n))
+    want = loss_and_vjp(lambda h, w, l: _reference_sum(h, w, l, v), h, w, labels, jnp.float32(1.0 / n))
     for x, ref in zip(got, want):
-        assert _rel(x, ref) < 1e-2
+        assert rel_l2(x, ref) < 1e-2
 
     def temp_bytes(fn):
         f = jax.jit(jax.value_and_grad(lambda h, w: fn(h, w, labels), argnums=(0, 1)))
