@@ -4,7 +4,7 @@ Each row is a config as it ran, with the allocator's peak per device measured on
 memory_analysis() peak of the same compiled steps equalled it (38.25, 17.43, 118.6 GiB for the first three rows then).
 The pp=2 rows are XLA:GPU's memory_analysis() peaks on H100s (2026-11-27, jax 0.11.2, `docs/results/2026-11-27g_*`),
 17.59 GiB where the last chunk keeps everything (pipeline.last_chunk_remat=auto), 17.43-17.46 where it did not.
-Two more layouts ran out of memory at 0.95 of an H200 (134 GiB): the estimate must put them above what they had.
+Three more layouts ran out of memory at 0.95 of an H200 (134 GiB): the estimate must put them above what they had.
 Sources: docs/PERFORMANCE.md, 2026-11-27 (the planner and the memory estimate against four H200s:
 `scripts/bench_plan.py --set calibration` and `--plan-top 3`; the OLMoE row from "OLMoE at ep=2"), and 2026-11-28
 for configs/llama3_8b_2xh200.yaml (the allocator's peak in `scripts/bench_step.py`; an out-of-memory error for
@@ -48,7 +48,7 @@ MEASURED = {
     # 2026-11-28 (docs/PERFORMANCE.md, "Llama-3-8B on two H200s"): unrolled, ZeRO along the rows
     "Llama-3-8B 2xH200, 5 sequences a GPU, plain loss": (LLAMA8B_2X, PLAIN_LOSS + ["train.global_batch=10"], 2, 127.2),
     "Llama-3-8B 2xH200, 4 sequences a GPU, plain loss": (LLAMA8B_2X, PLAIN_LOSS + B8, 2, 112.8),
-    # 2026-11-28 (docs/PERFORMANCE.md, "the fused loss"): the loss by token chunks
+    # 2026-11-28 (docs/PERFORMANCE.md, "Llama-3-8B on two H200s at 60% MFU"): the loss by token chunks
     "Llama-3-8B 2xH200 config, 6 sequences a GPU": (LLAMA8B_2X, [], 2, 128.6),
     "Llama-3-8B 2xH200 config, 5 sequences a GPU": (LLAMA8B_2X, ["train.global_batch=10"], 2, 118.4),
 }
