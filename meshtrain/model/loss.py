@@ -22,9 +22,8 @@ def label_count(labels_bt: jax.Array) -> jax.Array:
 
 def cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array, *, policy: Precision,
                       rules: ShardingRules, vocab_size: int, impl: str = "reference") -> tuple[jax.Array, jax.Array]:
-    valid_bt = labels_bt >= 0
     n_tokens = label_count(labels_bt)
-    if impl == "fused":
+    if impl == "fused":  # ignored tokens are left out inside the kernel
         from meshtrain.model.kernels import fused_cross_entropy_sum
         return fused_cross_entropy_sum(h_btd, head_dv, labels_bt, vocab_size, rules), n_tokens
 
@@ -39,5 +38,5 @@ def cross_entropy_sum(h_btd: jax.Array, head_dv: jax.Array, labels_bt: jax.Array
     # A masked sum instead of a gather keeps the vocab axis sharded: each tp shard reduces its own
     # columns and one all-reduce of [B, T] finishes the job.
     label_logit_bt = jnp.sum(jnp.where(vocab_ids_v == labels_bt[..., None], logits_btv, 0.0), axis=-1)
-    loss_bt = jnp.where(valid_bt, lse_bt - label_logit_bt, 0.0)
+    loss_bt = jnp.where(labels_bt >= 0, lse_bt - label_logit_bt, 0.0)
     return jnp.sum(loss_bt), n_tokens
