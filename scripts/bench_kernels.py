@@ -18,11 +18,11 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import statistics
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import jax
@@ -33,7 +33,6 @@ from pallas_kernels import (FlashAttentionBlockSizes, Fp8CastBlockSizes, MosaicB
                             linear_cross_entropy, linear_cross_entropy_reference, RmsNormBlockSizes, rms_norm,
                             rms_norm_reference)
 
-warnings.simplefilter("ignore", DeprecationWarning)  # jax 0.11 warns at every Pallas-Triton lowering (rms_norm, the loss)
 
 
 def bench(fn, input_sets, *, calls: int, batches: int) -> float:
@@ -316,6 +315,52 @@ def fp8_rows(args, results):
                 print(fmt(row), flush=True)
 
 
+def gemm_rows(args, results):
+    """A layer's projections forward+backward (y = x @ w, dx, dw: 6*M*K*N FLOP), each weight apart and the
+    weights that read the same x stacked into one GEMM (q|k|v, gate|up), the stacking and the gradients'
+    split inside the timed function as a step would run them. Shapes: the 1.36B (llama1b, 16,384 tokens)
+    and Llama-3-8B (24,576 tokens: 6 sequences of 4096)."""
+    shapes = {"1b": dict(m=16384, d=2048, q=2048, kv=2048, f=5632),
+              "8b": dict(m=24576, d=4096, q=4096, kv=1024, f=14336)}
+    for shape, s in shapes.items():
+        m, d = s["m"], s["d"]
+        groups = {"qkv": [s["q"], s["kv"], s["kv"]], "gate_up": [s["f"], s["f"]], "o": [d], "down": None}
+        for group, widths in groups.items():
+            k_dim, widths = (s["f"], [d]) if widths is None else (d, widths)
+            n_total = sum(widths)
+            sets = []
+            for seed in range(2):
+                ks = jax.random.split(jax.random.PRNGKey(80 + seed), 2 + 2 * len(widths))
+                ws = tuple(randn(ks[2 + i], (k_dim, n), jnp.bfloat16, k_dim ** -0.5) for i, n in enumerate(widths))
+                gs = tuple(randn(ks[2 + len(widths) + i], (m, n), jnp.bfloat16) for i, n in enumerate(widths))
+                sets.append((randn(ks[0], (m, k_dim), jnp.bfloat16), ws, gs))
+
+            def apart(x, ws, gs):
+                ys, vjp = jax.vjp(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.bfloat16) for w in ws], x, ws)
+                return ys, vjp(list(gs))
+
+            def stacked(x, ws, gs):
+                def f(x, ws):
+                    y = jnp.dot(x, jnp.concatenate(ws, axis=1), preferred_element_type=jnp.bfloat16)
+                    return jnp.split(y, list(itertools.accumulate(w.shape[1] for w in ws[:-1])), axis=1)
+                ys, vjp = jax.vjp(f, x, ws)
+                return ys, vjp(list(gs))
+
+            impls = [("apart", apart)] + ([("stacked", stacked)] if len(widths) > 1 else [])
+            for impl, fn in impls:
+                f = jax.jit(fn)
+                row = {"kernel": "gemm", "name": f"{shape} {group} M{m} K{k_dim} N{'+'.join(map(str, widths))} {impl}",
+                       "mode": "fwd+bwd"}
+                try:
+                    t = bench(f, sets, calls=args.calls, batches=args.batches)
+                    row.update(ms=t * 1e3, tflops=6 * m * k_dim * n_total / t / 1e12)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    traceback.print_exc(limit=2)
+                results.append(row)
+                print(fmt(row), flush=True)
+
+
 def fmt(row):
     if "error" in row:
         return f"{row['name']:<58} {row['mode']:<10} ERROR {row['error'][:120]}"
@@ -338,7 +383,8 @@ def main():
     p.add_argument("--sweep", action="store_true",
                    help="also try a few attention block configs (causal B4 S4096 E128, MHA and GQA)")
     p.add_argument("--only", default="attention,rms_norm,cross_entropy",
-                   help="comma-separated: attention, rms_norm, cross_entropy, fp8_cast (the one-pass fp8 cast)")
+                   help="comma-separated: attention, rms_norm, cross_entropy, fp8_cast (the one-pass fp8 cast), "
+                        "gemm (a layer's projections apart and stacked)")
     p.add_argument("--impls", default="mosaic,triton,cudnn,xla_ref", help="the attention implementations to time")
     p.add_argument("--sweep-all", action="store_true", help="the --sweep configs on every attention case")
     p.add_argument("--calls", type=int, default=10)
@@ -354,7 +400,7 @@ def main():
     results = []
     only = args.only.split(",")
     for name, fn in (("attention", attention_rows), ("rms_norm", rms_rows), ("cross_entropy", ce_rows),
-                     ("fp8_cast", fp8_rows)):
+                     ("fp8_cast", fp8_rows), ("gemm", gemm_rows)):
         if name in only:
             fn(args, results)
     with open(args.out, "w") as f:
