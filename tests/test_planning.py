@@ -203,12 +203,15 @@ POLICIES = ("none", "full", "save_dots", "save_attn", "names:attn_out,mlp_out")
 MOE_DROPLESS, MOE_CAPACITY = "moe.n_experts=4 moe.top_k=2", "moe.n_experts=4 moe.top_k=2 moe.capacity_factor=1.25"
 
 
-@pytest.mark.parametrize("remat,compute,experts", [(r, "float32", "") for r in POLICIES] +
+@pytest.mark.parametrize("remat,compute,extra", [(r, "float32", "") for r in POLICIES] +
                          [("none", "bfloat16", ""), ("save_dots", "bfloat16", "")] +
-                         [(r, "float32", e) for r in ("none", "save_dots") for e in (MOE_DROPLESS, MOE_CAPACITY)])
-def test_layer_residuals_match_what_autodiff_keeps(remat, compute, experts):
-    """The per-layer table (RESIDUALS, and EXPERT_RESIDUALS for an MoE FFN) against jax's own list of what the
-    block's backward keeps."""
+                         [(r, "float32", e) for r in ("none", "save_dots") for e in (MOE_DROPLESS, MOE_CAPACITY)] +
+                         [("none", c, f"precision.matmul={r}") for c in ("float32", "bfloat16")
+                          for r in ("fp8", "fp8_delayed")])
+def test_layer_residuals_match_what_autodiff_keeps(remat, compute, extra):
+    """The per-layer table (RESIDUALS, EXPERT_RESIDUALS for an MoE FFN, fp8_input_bytes for fp8 sites) against jax's
+    own list of what the block's backward keeps."""
+    import flax.linen as nn
     from jax._src.ad_checkpoint import saved_residuals
 
     from meshtrain.data import Batch
@@ -217,18 +220,20 @@ def test_layer_residuals_match_what_autodiff_keeps(remat, compute, experts):
 
     # 3 sequences, 2 layers: a stacked residual [L, b, ...] cannot be mistaken for an unstacked one.
     cfg = build_config({}, SHAPE + ["train.global_batch=3", f"train.remat={remat}", f"precision.compute={compute}",
-                                    *experts.split()])
+                                    *extra.split()])
     cfg, mesh = validated_mesh(cfg, 1)
     setup = build_setup(cfg, mesh)
     z = jnp.zeros((3, 128), jnp.int32)
-    params = jax.eval_shape(lambda: setup.model.init(jax.random.key(0), z, z, z))
-    res = saved_residuals(lambda p: loss_sum_fn(setup.model)(p, Batch(z, z, z, z))[0], params["params"])
+    variables = jax.eval_shape(lambda: setup.model.init(jax.random.key(0), z, z, z))
+    model_state = nn.unbox({k: v for k, v in variables.items() if k != "params"})  # fp8_delayed's amax histories
+    res = saved_residuals(lambda p: loss_sum_fn(setup.model)(p, Batch(z, z, z, z), model_state)[0],
+                          variables["params"])
     L = cfg.model.n_layers
     # The stack's residuals are the scan's outputs with a leading [L] axis.
     stacked = sum(a.size * a.dtype.itemsize for a, src in res
                   if "scan" in src and a.shape[:1] == (L,) and a.ndim >= 3 and "argument" not in src)
     per_layer = layer_activation_bytes(cfg, Layout.of(cfg), "reference")
-    assert per_layer == pytest.approx(stacked / L, rel=0.06), (remat, compute, experts)
+    assert per_layer == pytest.approx(stacked / L, rel=0.06), (remat, compute, extra)
 
 
 def test_playbook_zero_arithmetic():

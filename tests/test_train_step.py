@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import all_eqns, make_setup, run_cli, single_device, tiny_config, train_losses
+from meshtrain.step.accumulate import make_grad_fn
 from meshtrain.step.state import init_state, make_batches
 from meshtrain.step.train_step import make_train_step
 
@@ -15,10 +16,21 @@ def no_remat_losses():
     return train_losses(make_setup(single_device(tiny_config("train.remat=none")), 1), 3)
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots", "save_attn", "names:qkv,mlp_hidden"])
+@pytest.mark.parametrize("policy", ["full", "save_dots", "save_dots_attn", "save_attn", "names:qkv,mlp_hidden"])
 def test_remat_policy_changes_no_value(policy, no_remat_losses):
     losses = train_losses(make_setup(single_device(tiny_config(f"train.remat={policy}")), 1), 3)
     np.testing.assert_allclose(losses, no_remat_losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("policy,rotations", [("none", 4), ("save_dots", 6), ("save_dots_attn", 4)])
+def test_save_dots_attn_keeps_the_rotated_q_and_k(policy, rotations):
+    """RoPE rotates q and k in the forward and their gradients in the backward (a concatenation of the rotated
+    halves each: 4 in the scanned block). save_dots reruns the forward's two to rebuild attention's inputs;
+    save_dots_attn keeps the rotated q and k as `none` does."""
+    setup = make_setup(single_device(tiny_config(f"train.remat={policy}")), 1)
+    state = init_state(setup)
+    jaxpr = jax.make_jaxpr(make_grad_fn(setup))(state.params, make_batches(setup).batch(0), 1.0, state.model_state)
+    assert sum(e.primitive.name == "concatenate" for e in all_eqns(jaxpr.jaxpr)) == rotations
 
 
 def test_tied_embeddings_train():

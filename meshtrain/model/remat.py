@@ -7,9 +7,11 @@ a policy says which of them the backward pass keeps instead of recomputing.
   full       keep only the block input; recompute the whole block in the backward pass
   save_dots  keep every matmul output without a batch dim (projections), recompute the rest
   save_dots_attn
-             save_dots, and the fused attention kernel's outputs (o and the log-sum-exp its backward
-             reads), so the backward never reruns attention's forward; the jnp reference attention
-             has no such kernel and recomputes as under save_dots
+             save_dots, the rotated q and k (point "qkv") and the fused attention kernel's outputs (o and
+             the log-sum-exp its backward reads), so the backward reruns neither attention's forward nor
+             RoPE; as much memory as save_dots plus o, since the projections before RoPE are then not
+             kept (RoPE's backward needs only its tables). The jnp reference attention has no such
+             kernel and recomputes its scores
   save_attn  keep the q/k/v projections and the attention output (attention is the costly part)
   names:a,b  keep exactly the named points
   p+q        keep what either policy keeps, e.g. save_dots_attn+names:moe_in,moe_hidden,moe_out (the projections,
@@ -57,7 +59,8 @@ def remat_policy(name: str):
     if policy == "save_dots":
         return cp.dots_with_no_batch_dims_saveable
     if policy == "save_dots_attn":
-        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, fused_attention_forward)
+        return functools.reduce(cp.save_from_both_policies, [cp.dots_with_no_batch_dims_saveable,
+                                                             fused_attention_forward, cp.save_only_these_names("qkv")])
     if policy == "save_attn":
         return cp.save_only_these_names("qkv", "attn_out")
     if policy == "names":

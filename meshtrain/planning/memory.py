@@ -192,8 +192,9 @@ RESIDUALS = {
     "none": dict(D_c=2, D_f32=4, F_c=6, Q_c=4, KV_c=0, S_c=1, S_f32=2),
     "full": dict(D_c=1),
     "save_dots": dict(D_c=2, F_c=2, Q_c=1, KV_c=2),
-    # save_dots plus the fused attention kernel's output o (its fp32 log-sum-exp, [b, H/tp, s], is
-    # left out as small); with the jnp reference attention nothing more is kept, so this is an upper bound.
+    # save_dots with the rotated q and k in place of the projections before RoPE, plus the fused attention
+    # kernel's output o (its fp32 log-sum-exp, [b, H/tp, s], is left out as small). With the jnp reference
+    # attention there is no o to keep: it counts as save_dots (residual_counts).
     "save_dots_attn": dict(D_c=2, F_c=2, Q_c=2, KV_c=2),
     "save_attn": dict(D_c=1, Q_c=2, KV_c=2),
 }
@@ -203,17 +204,19 @@ NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj"
                 "mlp_hidden": dict(F_c=1), "mlp_out": {}, "moe_in": {}, "moe_hidden": {}, "moe_out": {}}
 
 
-def residual_counts(remat: str) -> dict:
+def residual_counts(remat: str, fused_attention: bool = True) -> dict:
     """Tensors kept per shape class. A union of policies (p+q) is counted as the sum of its parts, with the
     block input once: a bound where both parts keep the same value."""
     parts = remat_parts(remat)
     if len(parts) > 1:
         counts = {"D_c": 1}
         for part in remat.split("+"):
-            for k, v in residual_counts(part).items():
+            for k, v in residual_counts(part, fused_attention).items():
                 counts[k] = counts.get(k, 0) + v - (k == "D_c")
         return counts
     (policy, points), = parts
+    if policy == "save_dots_attn" and not fused_attention:
+        return RESIDUALS["save_dots"]
     if policy in RESIDUALS:
         return RESIDUALS[policy]
     counts = {"D_c": 1}  # the block input, as for every policy that recomputes
@@ -230,13 +233,14 @@ def tokens_per_device(cfg: Config, lay: Layout) -> float:
     return lay.micro_batch / (g["dp"] * g["fsdp"] * g["ep"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
 
 
-def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat: str | None = None) -> float:
+def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat: str | None = None,
+                           quantized_inputs: bool = True) -> float:
     """Bytes one layer keeps for the backward pass, per microbatch, per device (the mean over the stack's dense
-    and MoE layers)."""
+    and MoE layers). quantized_inputs=False counts fp8 sites' inputs as bf16 sites keep them (fp8_input_bytes)."""
     m, g = cfg.model, lay.degrees
     c = DTYPE_BYTES[cfg.precision.compute]
     policy = lay.remat if remat is None else remat
-    counts = residual_counts(policy)
+    counts = residual_counts(policy, fused_attention=attention_impl != "reference")
     tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
     n = tokens_per_device(cfg, lay)
     b = n / (cfg.data.seq_len / (g["cp"] * g["sp"]))
@@ -262,7 +266,29 @@ def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat:
             out += b * h_att * s_att * 4 + 4 * n * 4
     if n_moe:
         out += n_moe / L * expert_layer_bytes(cfg, policy, g, n, c)
+    if quantized_inputs and policy == "none" and not n_moe and per_tensor_fp8_layers(cfg):
+        out += fp8_input_bytes(cfg, n, tp, tpk, c)
     return out
+
+
+def per_tensor_fp8_layers(cfg: Config) -> bool:
+    """Every dense layer site runs a per-tensor fp8 recipe (fp8, fp8_delayed): none excluded."""
+    return cfg.precision.matmul in ("fp8", "fp8_delayed") and not any(
+        runs_plain(cfg.precision, site) for site in MATMUL_SITES if site.startswith(("attn.", "mlp.")))
+
+
+def fp8_input_bytes(cfg: Config, n: float, tp: int, tpk: int, c: int) -> float:
+    """What per-tensor fp8 sites change in a dense layer's residuals under remat none (fp8.per_tensor_matmul keeps
+    each site's input quantized and transposed, one byte a value): the inputs that only matmuls read leave the
+    compute dtype (the two norms' outputs, attention's output, the SwiGLU hidden), each site keeps its own e4m3
+    copy (q, k, v, gate and up of [tokens, D], wo's of the attention output, w_down's of the hidden), and the
+    attention weights, reshaped in the layer, keep their e4m3 values per layer. Checked against jax's
+    saved_residuals (tests/test_planning.py)."""
+    m = cfg.model
+    d, q, kv, f = m.d_model, m.n_heads / tp * m.kv_dim, m.n_kv_heads / tpk * m.kv_dim, m.d_ff / tp
+    dropped = n * (2 * d + q + f) * c
+    quantized = n * (5 * d + q + f) + d * (2 * q + 2 * kv)
+    return quantized - dropped
 
 
 def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
@@ -353,7 +379,8 @@ def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", groupe
     optimizer = optimizer_state_bytes(cfg, tensors, lay)
 
     kept = layer_activation_bytes(cfg, lay, attention_impl)
-    full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none")
+    # The layer being differentiated makes its fp8 sites' inputs in the compute dtype before it quantizes them.
+    full_set = layer_activation_bytes(cfg, lay, attention_impl, remat="none", quantized_inputs=False)
     c = DTYPE_BYTES[cfg.precision.compute]
     n = tokens_per_device(cfg, lay)
     # Around the stack: the final norm and the stack's input, and the loss's own buffers.
