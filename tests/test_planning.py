@@ -199,7 +199,7 @@ def test_param_count_matches_the_model():
     assert param_count(cfg) == count_params(jax.eval_shape(lambda: init_state(setup)).params)
 
 
-POLICIES = ("none", "full", "save_dots", "save_attn", "names:attn_out,mlp_out")
+POLICIES = ("none", "full", "save_dots", "save_attn", "names:attn_out,mlp_out", "save_dots+names:attn_in,mlp_in")
 MOE_DROPLESS, MOE_CAPACITY = "moe.n_experts=4 moe.top_k=2", "moe.n_experts=4 moe.top_k=2 moe.capacity_factor=1.25"
 
 

@@ -16,9 +16,10 @@ from meshtrain.config.pipeline import Kind
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
 
 # Names of the remat save points the model marks with checkpoint_name (model/transformer.py, model/layers.py;
-# the routed experts' in parallel/expert.py: the tokens as the exchange delivers them, the gate and up
-# GEMMs' outputs, the down GEMM's output).
-CHECKPOINT_POINTS = ("qkv", "attn_out", "attn_proj", "mlp_hidden", "mlp_out", "moe_in", "moe_hidden", "moe_out")
+# attn_in and mlp_in are the two norms' outputs, the inputs of the projections; the routed experts' in
+# parallel/expert.py: the tokens as the exchange delivers them, the gate and up GEMMs' outputs, the down GEMM's output).
+CHECKPOINT_POINTS = ("attn_in", "qkv", "attn_out", "attn_proj", "mlp_in", "mlp_hidden", "mlp_out", "moe_in", "moe_hidden",
+                     "moe_out")
 # train.remat: one of these, or names: followed by some of CHECKPOINT_POINTS, or several joined by '+' (model/remat.py).
 REMAT_FIXED = ("none", "full", "save_dots", "save_dots_attn", "save_attn")
 

@@ -125,10 +125,10 @@ class Block(nn.Module):
     def __call__(self, x_btd: jax.Array, info: SeqInfo) -> tuple[jax.Array, None]:
         c, p, r, exe = self.cfg, self.policy, self.rules, self.exe
         out_std = c.init_std / (2 * c.n_layers) ** 0.5  # residual branches start small (GPT-2 scaling)
-        h_btd = RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret, name="attn_norm")(x_btd)
+        h_btd = checkpoint_name(RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret, name="attn_norm")(x_btd), "attn_in")
         attn = Attention(c, p, r, exe, out_std, self.document_mask, self.decode, name="attn")
         x_btd = r.constrain(x_btd + attn(h_btd, info), RESIDUAL)
-        h_btd = RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret, name="mlp_norm")(x_btd)
+        h_btd = checkpoint_name(RMSNorm(c.norm_eps, p, r, exe.norm, exe.interpret, name="mlp_norm")(x_btd), "mlp_in")
         ring = exe.tp_ring and not self.decode
         ffn = (MoE(c, self.moe, p, r, out_std, exe.moe_exchange, exe.moe_gemm, exe.moe_fp32, name="moe") if self.moe
                else SwiGLU(c, p, r, out_std, ring, name="mlp"))

@@ -200,8 +200,9 @@ RESIDUALS = {
 }
 # attn_proj and mlp_out feed only the residual add, whose backward needs neither: saving them keeps nothing.
 # The routed experts' points (moe_*) keep the exchange's row buffers: memory_moe.EXPERT_POINTS counts them.
-NAMED_POINTS = {"qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj": {},
-                "mlp_hidden": dict(F_c=1), "mlp_out": {}, "moe_in": {}, "moe_hidden": {}, "moe_out": {}}
+NAMED_POINTS = {"attn_in": dict(D_c=1), "qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj": {},
+                "mlp_in": dict(D_c=1), "mlp_hidden": dict(F_c=1), "mlp_out": {}, "moe_in": {}, "moe_hidden": {},
+                "moe_out": {}}
 
 
 def residual_counts(remat: str, fused_attention: bool = True) -> dict:
