@@ -29,6 +29,7 @@ from meshtrain.step.state import init_state, make_batches
     ("full", "auto", "full"),  # chosen to fit memory: kept
     ("save_attn", "auto", "save_attn"),  # reruns the MLP's matmuls: kept
     ("names:qkv", "auto", "names:qkv"),
+    ("save_dots_attn+names:attn_in,mlp_in", "auto", "none"),  # a part keeps every matmul output
     ("none", "full", "full"),  # an explicit setting wins
     ("full", "none", "none"),
 ])

@@ -241,7 +241,7 @@ class PipelineConfig:
     virtual_stages: int = 1  # model chunks per stage: interleaved any v >= 1, dualpipe_v 2, others 1
     # The last chunk runs its forward and backward in one op, so nothing it keeps waits in the stash: its
     # recomputation trades time against that op's own activations only. auto: none where train.remat keeps every
-    # matmul output (none, save_dots, save_dots_attn), else train.remat; or any train.remat policy.
+    # matmul output (none, save_dots, save_dots_attn, or a union with one), else train.remat; or any train.remat policy.
     last_chunk_remat: str = "auto"
 
 
