@@ -34,7 +34,6 @@ from pallas_kernels import (FlashAttentionBlockSizes, Fp8CastBlockSizes, MosaicB
                             rms_norm_reference)
 
 
-
 def bench(fn, input_sets, *, calls: int, batches: int) -> float:
     """Median seconds per call of an already-jitted fn, alternating between input sets."""
     for args in input_sets:

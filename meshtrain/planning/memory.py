@@ -207,7 +207,8 @@ NAMED_POINTS = {"attn_in": dict(D_c=1), "qkv": dict(Q_c=1, KV_c=2), "attn_out": 
 
 def residual_counts(remat: str, fused_attention: bool = True) -> dict:
     """Tensors kept per shape class. A union of policies (p+q) is counted as the sum of its parts, with the
-    block input once: a bound where both parts keep the same value."""
+    block input once: a bound where both parts keep the same value. fused_attention=False: the jnp reference
+    attention, which has no kernel output for save_dots_attn to keep (it counts as save_dots)."""
     parts = remat_parts(remat)
     if len(parts) > 1:
         counts = {"D_c": 1}
