@@ -302,16 +302,8 @@ def fp8_rows(args, results):
                     mt = meta if recipe == "fp8_delayed" else None
                     y, vjp = jax.vjp(lambda x, w: fp8.per_tensor_matmul(x, w, mt, jnp.bfloat16, cast), x, w)
                     return y, *vjp(g)  # y too, or the forward GEMM would be dead code
-                f = jax.jit(step)
                 row = {"kernel": "fp8_matmul", "name": f"{recipe} {m}x{k}x{n} cast={cast}", "mode": "fwd+bwd"}
-                try:
-                    t = bench(f, sets, calls=args.calls, batches=args.batches)
-                    row.update(ms=t * 1e3, tflops=6 * m * k * n / t / 1e12)
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    traceback.print_exc(limit=2)
-                results.append(row)
-                print(fmt(row), flush=True)
+                timed_row(results, row, jax.jit(step), sets, args, flops=6 * m * k * n)
 
 
 def gemm_rows(args, results):
@@ -347,17 +339,21 @@ def gemm_rows(args, results):
 
             impls = [("apart", apart)] + ([("stacked", stacked)] if len(widths) > 1 else [])
             for impl, fn in impls:
-                f = jax.jit(fn)
                 row = {"kernel": "gemm", "name": f"{shape} {group} M{m} K{k_dim} N{'+'.join(map(str, widths))} {impl}",
                        "mode": "fwd+bwd"}
-                try:
-                    t = bench(f, sets, calls=args.calls, batches=args.batches)
-                    row.update(ms=t * 1e3, tflops=6 * m * k_dim * n_total / t / 1e12)
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    traceback.print_exc(limit=2)
-                results.append(row)
-                print(fmt(row), flush=True)
+                timed_row(results, row, jax.jit(fn), sets, args, flops=6 * m * k_dim * n_total)
+
+
+def timed_row(results, row, f, sets, args, *, flops: float):
+    """Time f over sets into row (ms and TFLOP/s of `flops` a call), or the error it raised; record and print it."""
+    try:
+        t = bench(f, sets, calls=args.calls, batches=args.batches)
+        row.update(ms=t * 1e3, tflops=flops / t / 1e12)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        traceback.print_exc(limit=2)
+    results.append(row)
+    print(fmt(row), flush=True)
 
 
 def fmt(row):
