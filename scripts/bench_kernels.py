@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python3 scripts/bench_kernels.py --out results.json [--quick] [--sweep]
   PYTHONPATH=. python3 scripts/bench_kernels.py --only fp8_cast --sweep --out results.json
+  PYTHONPATH=. python3 scripts/bench_kernels.py --only gemm --out results.json   # the layer's GEMMs, apart and stacked
 
 Timing: each function is jitted and warmed up (compile + 2 runs); then `--batches` batches of
 `--calls` back-to-back asynchronous calls are timed on the host clock, each batch ended by
