@@ -130,19 +130,15 @@ def attention_rows(args, results):
                 fwdbwd = jax.jit(lambda q, k, v, do, fn=fn: jax.vjp(fn, q, k, v)[1](do))
                 for mode, f, flops in (("fwd", fwd, flops_fwd), ("fwd+bwd", fwdbwd, 3.5 * flops_fwd)):
                     row = {"kernel": "attention", "name": name, "mode": mode}
-                    try:
-                        t = bench(f, sets, calls=args.calls, batches=args.batches)
-                        row.update(ms=t * 1e3, tflops=flops / t / 1e12)
-                        if args.profile and mode == "fwd+bwd" and cname == "default" and impl in ("mosaic", "cudnn"):
-                            label = name.replace(" ", "_")
-                            row["kernels"] = kernel_times(f, sets[0], Path(args.profile) / label)
-                            for kern in row["kernels"]:
-                                print(f"    {kern['ms']:8.3f} ms  x{kern['per_call']:g}  {kern['name'][:90]}")
-                    except Exception as exc:  # keep going: one failing variant must not hide the rest
-                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                        traceback.print_exc(limit=2)
-                    results.append(row)
-                    print(fmt(row), flush=True)
+                    profiled = args.profile and mode == "fwd+bwd" and cname == "default" and impl in ("mosaic", "cudnn")
+
+                    def profile(row):  # called within this iteration: f and name are this variant's
+                        row["kernels"] = kernel_times(f, sets[0], Path(args.profile) / name.replace(" ", "_"))
+                        for kern in row["kernels"]:
+                            print(f"    {kern['ms']:8.3f} ms  x{kern['per_call']:g}  {kern['name'][:90]}")
+                    timed_row(results, row, f, sets, calls=args.calls, batches=args.batches,
+                              figures=lambda t: dict(tflops=flops / t / 1e12),
+                              then=profile if profiled else None)
 
 
 def rms_rows(args, results):
@@ -189,14 +185,9 @@ def rms_rows(args, results):
                                         ("bwd", bwd, vjps, 4 * n * d * elt),
                                         ("fwd+bwd", fwdbwd, sets, 8 * n * d * elt)):
             row = {"kernel": "rms_norm", "name": f"rms_norm+residual {n}x{d} bf16 {impl}", "mode": mode}
-            try:
-                t = bench(f, f_sets, calls=args.calls * 4, batches=args.batches)
-                row.update(ms=t * 1e3, gbps=nbytes / t / 1e9, temp_mib=_mib(temp_bytes(f, *f_sets[0])))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                traceback.print_exc(limit=2)
-            results.append(row)
-            print(fmt(row), flush=True)
+            timed_row(results, row, f, f_sets, calls=args.calls * 4, batches=args.batches,
+                      figures=lambda t: dict(
+                          gbps=nbytes / t / 1e9, temp_mib=_mib(temp_bytes(f, *f_sets[0]))))
 
 
 def torch_copy_row(nbytes: int):
@@ -239,14 +230,8 @@ def ce_rows(args, results):
     for impl, fn in (("blocked", linear_cross_entropy), ("jnp", linear_cross_entropy_reference)):
         f = jax.jit(lambda h, w, l, g, fn=fn: jax.vjp(lambda h, w: fn(h, w, l), h, w)[1](g))
         row = {"kernel": "cross_entropy", "name": f"linear_ce N{n} D{d} V{v} bf16 {impl}", "mode": "loss+grads"}
-        try:
-            t = bench(f, sets, calls=max(2, args.calls // 4), batches=args.batches)
-            row.update(ms=t * 1e3, tflops=flops / t / 1e12, temp_mib=_mib(temp_bytes(f, *sets[0])))
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            traceback.print_exc(limit=2)
-        results.append(row)
-        print(fmt(row), flush=True)
+        timed_row(results, row, f, sets, calls=max(2, args.calls // 4), batches=args.batches,
+                  figures=lambda t: dict(tflops=flops / t / 1e12, temp_mib=_mib(temp_bytes(f, *sets[0]))))
 
 
 def _mib(x):
@@ -280,18 +265,13 @@ def fp8_rows(args, results):
         for impl, f in impls:
             row = {"kernel": "fp8_cast", "name": f"{what} {shape[0]}x{shape[1]} {jnp.dtype(dtype).name} {impl}",
                    "mode": "cast"}
-            try:
-                got = f(*sets[0])
+
+            def mismatches(row):
                 row["mismatches"] = int(sum(jnp.sum(jax.lax.bitcast_convert_type(g, jnp.uint8)
                                                     != jax.lax.bitcast_convert_type(w, jnp.uint8))
-                                            for g, w in zip(got, want)))
-                t = bench(f, sets, calls=args.calls * 4, batches=args.batches)
-                row.update(ms=t * 1e3, gbps=nbytes / t / 1e9)
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                traceback.print_exc(limit=2)
-            results.append(row)
-            print(fmt(row), flush=True)
+                                            for g, w in zip(f(*sets[0]), want)))
+            timed_row(results, row, f, sets, calls=args.calls * 4, batches=args.batches,
+                      figures=lambda t: dict(gbps=nbytes / t / 1e9), check=mismatches)
     m = 8192
     for k, n in ((4096, 14336), (14336, 4096), (4096, 4096)):
         sets = [(randn(jax.random.PRNGKey(50 + i), (m, k), jnp.bfloat16), randn(jax.random.PRNGKey(60 + i), (k, n),
@@ -304,7 +284,8 @@ def fp8_rows(args, results):
                     y, vjp = jax.vjp(lambda x, w: fp8.per_tensor_matmul(x, w, mt, jnp.bfloat16, cast), x, w)
                     return y, *vjp(g)  # y too, or the forward GEMM would be dead code
                 row = {"kernel": "fp8_matmul", "name": f"{recipe} {m}x{k}x{n} cast={cast}", "mode": "fwd+bwd"}
-                timed_row(results, row, jax.jit(step), sets, args, flops=6 * m * k * n)
+                timed_row(results, row, jax.jit(step), sets, calls=args.calls, batches=args.batches,
+                          figures=lambda t: dict(tflops=6 * m * k * n / t / 1e12))
 
 
 def gemm_rows(args, results):
@@ -342,14 +323,21 @@ def gemm_rows(args, results):
             for impl, fn in impls:
                 row = {"kernel": "gemm", "name": f"{shape} {group} M{m} K{k_dim} N{'+'.join(map(str, widths))} {impl}",
                        "mode": "fwd+bwd"}
-                timed_row(results, row, jax.jit(fn), sets, args, flops=6 * m * k_dim * n_total)
+                timed_row(results, row, jax.jit(fn), sets, calls=args.calls, batches=args.batches,
+                          figures=lambda t: dict(tflops=6 * m * k_dim * n_total / t / 1e12))
 
 
-def timed_row(results, row, f, sets, args, *, flops: float):
-    """Time f over sets into row (ms and TFLOP/s of `flops` a call), or the error it raised; record and print it."""
+def timed_row(results, row, f, sets, *, calls: int, batches: int, figures, check=None, then=None):
+    """Time f over sets into row: ms, and figures(seconds a call) (TFLOP/s, GB/s, temp MiB). check(row) runs before
+    the timing and then(row) after it; an exception in any of them becomes the row's error, so one failing variant
+    does not hide the rest. The row is recorded and printed either way."""
     try:
-        t = bench(f, sets, calls=args.calls, batches=args.batches)
-        row.update(ms=t * 1e3, tflops=flops / t / 1e12)
+        if check:
+            check(row)
+        t = bench(f, sets, calls=calls, batches=batches)
+        row.update(ms=t * 1e3, **figures(t))
+        if then:
+            then(row)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         traceback.print_exc(limit=2)
