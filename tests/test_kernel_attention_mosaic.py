@@ -2,8 +2,8 @@
 
 The Mosaic kernels do not run on the CPU: jax's Mosaic GPU interpreter takes no transposed wgmma
 operands and no `run_state` accumulators, both of which every attention GEMM here uses. The CPU traces
-them (every kernel body to a jaxpr); they run on a Hopper GPU (`pytest -m gpu`), on the cases the
-Triton kernel is tested on.
+them (every kernel body to a jaxpr) and lowers them to Mosaic GPU's IR, which is all but compiling;
+they run on a Hopper GPU (`pytest -m gpu`), on the cases the Triton kernel is tested on.
 
 Tolerance: relative L2 error 2e-2 for bf16/fp16, as for the Triton kernel: p (and ds in the
 backward) is rounded to the input dtype before its second matmul, 2^-8 relative per element in bf16.
@@ -63,6 +63,8 @@ CASES = {
                                        MosaicBlockSizes(dq_atomic=True)),
     "causal_t_gt_s_dq_atomic_fp16": (1, 1536, 1000, 4, 4, 128, True, jnp.float16, None,
                                      MosaicBlockSizes(dq_atomic=True)),
+    "causal_segments_dq_atomic_e128": (2, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, (300, 77, 500, 147),
+                                       MosaicBlockSizes(dq_atomic=True)),
 }
 
 
@@ -111,10 +113,6 @@ def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():
         MosaicBlockSizes(stages=0)
     with pytest.raises(ValueError, match="dq_atomic needs block_q_dkv=64"):
         MosaicBlockSizes(block_q_dkv=128, dq_atomic=True)
-    with pytest.raises(ValueError, match=r"dq_atomic=True\) does not fit shared memory with segment_ids at head dim 128"):
-        MosaicBlockSizes(dq_atomic=True).check_call(128, has_segment_ids=True)
-    MosaicBlockSizes(dq_atomic=True).check_call(64, has_segment_ids=True)  # E = 64 fits
-    MosaicBlockSizes(dq_atomic=True).check_call(128, has_segment_ids=False)
 
 
 def test_auto_runs_the_triton_kernels_where_mosaic_cannot():
@@ -133,8 +131,8 @@ def _mosaic_plan(causal, has_seg, t=250, pad=256, blocks=None):
 
 @pytest.mark.parametrize("causal,has_seg,dq_atomic", [(True, False, False), (False, True, False), (True, True, True)])
 def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
-    """The kernel bodies trace to jaxprs (no GPU needed): what the CPU can check of them. Each kernel is
-    one mpmd_map; the forward's is the one the remat policy `save_dots_attn` keeps."""
+    """The kernel bodies trace to jaxprs and lower to Mosaic GPU (no GPU needed): what the CPU can check
+    of them. Each kernel is one mpmd_map; the forward's is the one the remat policy `save_dots_attn` keeps."""
     from meshtrain.model.remat import fused_attention_forward
     from pallas_kernels.attention.mosaic_bwd import mosaic_attention_backward
     from pallas_kernels.attention.mosaic_fwd import mosaic_attention_forward
@@ -152,6 +150,23 @@ def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
     assert names == (["flash_attention_dkdv_mosaic"] if dq_atomic else
                      ["flash_attention_dkdv_mosaic", "flash_attention_dq_mosaic"])
     assert not any(fused_attention_forward(e.primitive, **e.params) for e in kernels(bwd))
+    # Lowered for CUDA too, on any backend: Pallas lowers each body to Mosaic GPU's IR (layouts, wgmma
+    # operand shapes, SMEM slices), so what is wrong there fails here; only compiling needs the GPU.
+    for fn, args in ((lambda q, k, v: mosaic_attention_forward(q, k, v, seg, seg, plan), (q, kv, kv)),
+                     (lambda q, k, v: mosaic_attention_backward(q, k, v, seg, seg, q, lse, q, lse, plan), (q, kv, kv))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == len(kernels(jax.make_jaxpr(fn)(*args)))
+
+
+def test_tiles_past_shared_memory_are_a_clear_error():
+    """Four backward stages of E = 128 tiles under dq_atomic need 258 KiB of SMEM (traced on any backend)."""
+    from pallas_kernels.attention.mosaic_bwd import mosaic_attention_backward
+    plan = _mosaic_plan(True, False, t=512, pad=512, blocks=MosaicBlockSizes(stages_bwd=4, dq_atomic=True))
+    q = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 512), jnp.float32)
+    with pytest.raises(ValueError, match=r"flash_attention_dkdv_mosaic needs 258 KiB of shared memory, more than "
+                                         r"the 227 KiB of a Hopper SM; lower MosaicBlockSizes.stages_bwd"):
+        jax.make_jaxpr(lambda q: mosaic_attention_backward(q, q, q, None, None, q, lse, q, lse, plan))(q)
 
 
 @pytest.mark.parametrize("policy,fwd_calls", [("save_dots", 2), ("save_dots_attn", 1)])

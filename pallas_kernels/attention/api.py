@@ -114,7 +114,6 @@ def _plan(q, k, v, segment_ids, causal, sm_scale, block_sizes, interpret, backen
     mosaic = None
     if backend == "mosaic":
         mosaic = block_sizes if isinstance(block_sizes, MosaicBlockSizes) else MosaicBlockSizes.for_head_dim(e_pad)
-        mosaic.check_call(e_pad, has_segment_ids=q_seg is not None)
         # Query tiles are 2 warpgroups x 64 rows, dK/dV key tiles too; the streamed tiles set the rest.
         t_pad = round_up(t, max(128, mosaic.block_q_dkv))
         s_pad = round_up(s, max(128, mosaic.block_k, mosaic.block_k_dq))

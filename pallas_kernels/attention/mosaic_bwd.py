@@ -10,8 +10,9 @@
   dQ, `dq_atomic`: the dkdv step also computes dQ's share of its keys, dS K, and adds it into a
         zeroed fp32 [B, T, H, E] buffer with TMA reduce-adds: 5 GEMMs in all. Both consumers stage
         dS^T in SMEM; with E >= 128 each then takes half of dQ's columns over all 128 keys of the CTA
-        (64 x E/2 accumulators, one add of 64 x E per CTA step), after a barrier that says both
-        halves of dS are written; with E = 64 each takes its own 64 keys and all columns.
+        (64 x E/2 accumulators, one add of 64 x E per CTA step; K's columns read from both
+        consumers' K tiles), after a barrier that says both halves of dS are written; with E = 64
+        each takes its own 64 keys and all columns.
   dQ, by default: a dq kernel, grid (T/128, B, H): consumer w owns 64 queries; the producer streams
         K/V of kv head h // G:  s = Q K^T  p = exp2(s - lse2)  dp = dO V^T  ds = p (dp - delta)
         dQ += ds K. No atomics, but S and dP are computed twice: 7 GEMMs in all.
@@ -51,8 +52,8 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
     qseg_ref, kseg_ref = refs[6:8] if plan.has_seg else (None, None)
     dq_acc_ref = refs[-5] if dq_atomic else None
     dk_ref, dv_ref, smem, bars = refs[-4:]
-    k_smem, v_smem, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, ds_smem, kdq_smem, dq_smem = smem
-    k_bar, v_bar, kseg_bar, q_bar, do_bar, lse_bar, delta_bar, qseg_bar, used, kdq_bar, ds_ready = bars
+    k_smem, v_smem, kseg_smem, q_smem, do_smem, lse_smem, delta_smem, qseg_smem, ds_smem, dq_smem = smem
+    k_bar, v_bar, kseg_bar, q_bar, do_bar, lse_bar, delta_bar, qseg_bar, used, ds_ready, k_done = bars
     b, kh, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
     cta_k = lax.axis_index("k_blocks") * (mc.N_CONSUMERS * BK)
     cta_lo, _, hi = q_loop_bounds(plan, cta_k, bq, BK)
@@ -70,13 +71,8 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
         k_seg = None
         if plan.has_seg:
             k_seg = mc.owned_ids(kseg_ref.at[b, pl.ds(k_start, BK)], kseg_smem.at[wg], kseg_bar.at[wg])
-        if split_e:  # this consumer's dQ columns of K, for all keys of the CTA: dQ's B operand
-            for j in range(mc.N_CONSUMERS):
-                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(cta_k + j * BK, BK), kh, pl.ds(wg * dq_cols, dq_cols)],
-                                        kdq_smem.at[wg, j], kdq_bar.at[wg * mc.N_CONSUMERS + j])
-            for j in range(mc.N_CONSUMERS):
-                plgpu.barrier_wait(kdq_bar.at[wg * mc.N_CONSUMERS + j])
-        plgpu.barrier_wait(k_bar.at[wg])
+        for j in range(mc.N_CONSUMERS) if split_e else (wg,):  # split_e: dQ's B operand is all keys' K
+            plgpu.barrier_wait(k_bar.at[j])
         plgpu.barrier_wait(v_bar.at[wg])
         lo, mid, _ = q_loop_bounds(plan, k_start, bq, BK)
         if split_e:
@@ -88,11 +84,14 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
             slot = lax.rem(base + qi, stages)
             plgpu.barrier_wait(q_bar.at[slot])
             plgpu.barrier_wait(do_bar.at[slot])
-            buf = lax.rem(base + qi, 2)  # dS^T is double-buffered: see _add_dq
+            buf = lax.rem(base + qi, 2)  # dS^T is double-buffered: see add_dq
 
             def gemms(acc_refs):
                 # Four wgmma groups, waited on in issue order, so each elementwise phase runs while the
-                # tensor cores do the next GEMM: exp2 of S^T beside dP^T, dS^T beside dV.
+                # tensor cores do the next GEMM: exp2 of S^T beside dP^T, dS^T beside dV. With split
+                # columns dQ's GEMM follows dK's with no wait between them, so the wait for the other
+                # consumer's dS^T runs beside dK; with whole columns (no such wait) dQ after the
+                # accumulators are read measured 2-3% faster (E = 64, H200, 2026-11-28).
                 dk_ref, dv_ref, s_ref, dp_ref = acc_refs
                 plgpu.wgmma(s_ref, k_smem.at[wg], q_smem.at[slot].transpose((1, 0)))
                 plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].transpose((1, 0)))
@@ -116,15 +115,17 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
                     if split_e:
                         plgpu.barrier_arrive(ds_ready.at[buf])
                 plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])  # runs while the other consumer writes its dS^T
+                if split_e:
+                    add_dq(buf, qi, h)
 
             tile = mc.full((BK, bq), 0.0)
             dk, dv, _, _ = pl.run_state(gemms)(tuple(plgpu.ACC.init(x) for x in (*carry, tile, tile)))
             plgpu.barrier_arrive(used.at[slot])
-            if dq_atomic:
-                _add_dq(buf, qi, h)
+            if dq_atomic and not split_e:
+                add_dq(buf, qi, h)
             return dk, dv
 
-        def _add_dq(buf, qi, h):
+        def add_dq(buf, qi, h):
             """dQ[q block, my columns] += dS K: an fp32 TMA reduce-add into dq_acc.
 
             Buffer `buf` of dS^T is written again two steps later. By then the other consumer has
@@ -132,7 +133,9 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
             """
             if split_e:
                 plgpu.barrier_wait(ds_ready.at[buf])
-                operands = [(ds_smem.at[buf, j].transpose((1, 0)), kdq_smem.at[wg, j]) for j in range(mc.N_CONSUMERS)]
+                my_cols = pl.ds(wg * dq_cols, dq_cols)
+                operands = [(ds_smem.at[buf, j].transpose((1, 0)), k_smem.at[j, :, my_cols])
+                            for j in range(mc.N_CONSUMERS)]
             else:
                 operands = [(ds_smem.at[buf, wg].transpose((1, 0)), k_smem.at[wg])]
 
@@ -159,6 +162,9 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
 
         zeros = mc.full((BK, e), 0.0)
         dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+        if split_e:  # the other consumer's last dQ GEMM has read my K before dK overwrites it
+            plgpu.barrier_arrive(k_done.at[0])
+            plgpu.barrier_wait(k_done.at[0])
         k_smem.at[wg][...] = (dk * plan.sm_scale).astype(dtype)
         v_smem.at[wg][...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -288,10 +294,9 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
             mc.tile_smem((st, bq, e), dtype), mc.tile_smem((st, bq, e), dtype), vec_smem(st, bq),
             vec_smem(st, bq), seg_smem(st, bq),
             mc.tile_smem((2, n_c, BK, bq), dtype) if atomic else None,
-            mc.tile_smem((n_c, n_c, BK, dq_cols), dtype) if split_e else None,
             mc.tile_smem((n_c, bq, dq_cols), jnp.float32) if atomic else None)
     bars = (mc.barriers(n_c, 3) + mc.barriers(st, 5) + mc.barriers(st, 1, arrivals=n_c)
-            + (mc.barriers(n_c * n_c, 1) + mc.barriers(2, 1, arrivals=n_c) if split_e else (None, None)))
+            + (mc.barriers(2, 1, arrivals=n_c) + mc.barriers(1, 1, arrivals=n_c) if split_e else (None, None)))
     kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
     # dQ summed over key blocks by TMA reduce-adds into a zeroed fp32 buffer that the kernel writes.
     dq_acc = [jax.new_ref(jnp.zeros((b, t_pad, h, e), jnp.float32))] if atomic else []
@@ -300,7 +305,7 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
                           dq_atomic=atomic, dq_cols=dq_cols),
         out_type=[kv_type, kv_type], scratch_types=[smem, bars],
         grid=(s_pad // (n_c * BK), b, kh), grid_names=("k_blocks", "batch", "kv_heads"),
-        name="flash_attention_dkdv_mosaic",
+        name="flash_attention_dkdv_mosaic", stages_field="stages_bwd",
     )(q, k, v, do, lse2, delta, *seg_args, *dq_acc)
     if atomic:
         return (dq_acc[0][...] * plan.sm_scale).astype(dtype), dk, dv
@@ -315,6 +320,6 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
         functools.partial(_dq_kernel, plan=plan, bk=bk, stages=st, group=group, e=e, dtype=dtype),
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype)], scratch_types=[smem, bars],
         grid=(h, t_pad // (n_c * BQ), b), grid_names=("heads", "q_blocks", "batch"),
-        name="flash_attention_dq_mosaic",
+        name="flash_attention_dq_mosaic", stages_field="stages_bwd",
     )(q, k, v, do, lse2, delta, *seg_args)
     return dq, dk, dv

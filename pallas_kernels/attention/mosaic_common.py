@@ -17,6 +17,7 @@ that released slots without waiting could release the same slot twice in one pha
 from __future__ import annotations
 
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ N_CONSUMERS = 2
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 ROWS_PER_WARPGROUP = 64  # the M of one Hopper wgmma
+SMEM_BYTES = 227 * 1024  # shared memory a Hopper CTA may allocate
 
 # `plgpu.load(ref, idx)` became `plgpu.load(ref.at[idx])`; newer jax warns when idx is passed.
 _LOAD_TAKES_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
@@ -99,13 +101,24 @@ def compiler_params():
     return plgpu.CompilerParams(approx_math=True)
 
 
-def launch(body, *, out_type, scratch_types, grid, grid_names, name: str):
+def check_smem(scratch, name: str, stages_field: str) -> None:
+    """Raise where the SMEM tiles of a kernel (a tuple of specs; None for one it does not use) pass
+    what a Hopper SM has; barriers add a few bytes and are not counted."""
+    need = sum(math.prod(spec.shape) * jnp.dtype(spec.dtype).itemsize for spec in scratch if spec is not None)
+    if need > SMEM_BYTES:
+        raise ValueError(f"{name} needs {need / 1024:.0f} KiB of shared memory, more than the "
+                         f"{SMEM_BYTES // 1024} KiB of a Hopper SM; lower MosaicBlockSizes.{stages_field}")
+
+
+def launch(body, *, out_type, scratch_types, grid, grid_names, name: str, stages_field: str):
     """A warp-specialized kernel: N_CONSUMERS + 1 warpgroups per CTA, axis "wg".
 
     `pl.kernel` over a `plgpu.Mesh`, with the scratch (SMEM, barriers) allocated by `run_scoped` and
     shared by the warpgroups, as `plgpu.kernel` does; unlike `plgpu.kernel` (whose vmap wrapper
     refuses them) it takes `jax.new_ref` inputs, which the kernel may write in place.
+    scratch_types: [SMEM specs, barriers]; `stages_field` names the setting that sizes the SMEM pipeline.
     """
+    check_smem(scratch_types[0], name, stages_field)
     mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=N_CONSUMERS + 1, thread_name="wg",
                       kernel_name=name)
 

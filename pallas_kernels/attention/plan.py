@@ -74,9 +74,9 @@ class MosaicBlockSizes:
     dq: each consumer walks keys `block_k_dq` at a time. dkdv: each consumer owns 64 keys and walks
     queries `block_q_dkv` at a time. Both backward kernels use `stages_bwd` slots.
     dq_atomic: dQ from the dK/dV kernel, each step's dS K added into an fp32 buffer by TMA reduce-adds
-    (5 GEMMs in all); by default a separate dQ kernel recomputes S and dP (7 GEMMs, no atomics),
-    which measured 1.01-1.40x faster forward+backward on an H100 (docs/KERNELS_NOTES.md). dq_atomic
-    does not fit shared memory with segment ids at head dim 128.
+    (5 GEMMs in all); by default a separate dQ kernel recomputes S and dP (7 GEMMs, no atomics).
+    On an H200 (2026-11-28, docs/PERFORMANCE.md) dq_atomic ran forward+backward 2-6% faster at
+    S >= 8192 and 3-5% slower at S4096 and on GQA, so the default stays the dQ kernel.
     """
     block_k: int = 128
     stages: int = 2
@@ -97,14 +97,6 @@ class MosaicBlockSizes:
         if self.dq_atomic and self.block_q_dkv != 64:
             raise ValueError(f"MosaicBlockSizes.dq_atomic needs block_q_dkv=64 (one wgmma's rows of dQ); got "
                              f"block_q_dkv={self.block_q_dkv}; set dq_atomic=False for larger query tiles")
-
-    def check_call(self, head_dim: int, has_segment_ids: bool) -> None:
-        """Raise where these tiles cannot run a call of this (padded) head dim."""
-        if self.dq_atomic and has_segment_ids and head_dim >= 128:
-            # The dK/dV kernel's SMEM with dQ's staging tiles is 225 KiB at E = 128; segment ids add the
-            # 1.2 KiB that take it past the 227 KiB of a Hopper SM (measured on an H100).
-            raise ValueError("MosaicBlockSizes(dq_atomic=True) does not fit shared memory with segment_ids at "
-                             f"head dim {head_dim}; use dq_atomic=False (the default) for packed sequences")
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "MosaicBlockSizes":
