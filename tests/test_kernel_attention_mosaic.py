@@ -8,6 +8,7 @@ they run on a Hopper GPU (`pytest -m gpu`), on the cases the Triton kernel is te
 Tolerance: relative L2 error 2e-2 for bf16/fp16, as for the Triton kernel: p (and ds in the
 backward) is rounded to the input dtype before its second matmul, 2^-8 relative per element in bf16.
 """
+import dataclasses
 import functools
 
 import jax
@@ -129,27 +130,30 @@ def _mosaic_plan(causal, has_seg, t=250, pad=256, blocks=None):
                          mosaic=blocks or MosaicBlockSizes())
 
 
-@pytest.mark.parametrize("causal,has_seg,dq_atomic", [(True, False, False), (False, True, False), (True, True, True)])
-def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic):
+@pytest.mark.parametrize("causal,has_seg,dq_atomic,e", [(True, False, False, 128), (False, True, False, 128),
+                                                        (True, True, True, 128), (True, False, True, 64)])
+def test_mosaic_kernels_trace_on_any_backend(causal, has_seg, dq_atomic, e):
     """The kernel bodies trace to jaxprs and lower to Mosaic GPU (no GPU needed): what the CPU can check
-    of them. Each kernel is one mpmd_map; the forward's is the one the remat policy `save_dots_attn` keeps."""
+    of them. Each kernel is one mpmd_map; the forward's is the one the remat policy `save_dots_attn` keeps.
+    Head dim 64 runs its own tiles (three stages) and, under dq_atomic, dQ over each consumer's own keys."""
     from meshtrain.model.remat import fused_attention_forward
     from pallas_kernels.attention.mosaic_bwd import mosaic_attention_backward
     from pallas_kernels.attention.mosaic_fwd import mosaic_attention_forward
-    plan = _mosaic_plan(causal, has_seg, blocks=MosaicBlockSizes(dq_atomic=dq_atomic))
-    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
-    kv = jnp.zeros((2, 256, 2, 128), jnp.bfloat16)
+    blocks = dataclasses.replace(MosaicBlockSizes.for_head_dim(e), dq_atomic=dq_atomic)
+    plan = _mosaic_plan(causal, has_seg, blocks=blocks)
+    q = jnp.zeros((2, 256, 4, e), jnp.bfloat16)
+    kv = jnp.zeros((2, 256, 2, e), jnp.bfloat16)
     seg = jnp.zeros((2, 256), jnp.int32) if has_seg else None
     lse = jnp.zeros((2, 4, 256), jnp.float32)
     fwd = jax.make_jaxpr(lambda q, k, v: mosaic_attention_forward(q, k, v, seg, seg, plan))(q, kv, kv)
     bwd = jax.make_jaxpr(lambda q, k, v: mosaic_attention_backward(q, k, v, seg, seg, q, lse, q, lse, plan))(q, kv, kv)
-    kernels = lambda jx: [e for e in jx.jaxpr.eqns if e.primitive.name == "mpmd_map"]
-    assert [e.params["name"] for e in kernels(fwd)] == ["flash_attention_fwd_mosaic"]
-    assert [fused_attention_forward(e.primitive, **e.params) for e in kernels(fwd)] == [True]
-    names = [e.params["name"] for e in kernels(bwd)]
+    kernels = lambda jx: [eqn for eqn in jx.jaxpr.eqns if eqn.primitive.name == "mpmd_map"]
+    assert [eqn.params["name"] for eqn in kernels(fwd)] == ["flash_attention_fwd_mosaic"]
+    assert [fused_attention_forward(eqn.primitive, **eqn.params) for eqn in kernels(fwd)] == [True]
+    names = [eqn.params["name"] for eqn in kernels(bwd)]
     assert names == (["flash_attention_dkdv_mosaic"] if dq_atomic else
                      ["flash_attention_dkdv_mosaic", "flash_attention_dq_mosaic"])
-    assert not any(fused_attention_forward(e.primitive, **e.params) for e in kernels(bwd))
+    assert not any(fused_attention_forward(eqn.primitive, **eqn.params) for eqn in kernels(bwd))
     # Lowered for CUDA too, on any backend: Pallas lowers each body to Mosaic GPU's IR (layouts, wgmma
     # operand shapes, SMEM slices), so what is wrong there fails here; only compiling needs the GPU.
     for fn, args in ((lambda q, k, v: mosaic_attention_forward(q, k, v, seg, seg, plan), (q, kv, kv)),
