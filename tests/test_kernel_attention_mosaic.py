@@ -168,8 +168,9 @@ def test_tiles_past_shared_memory_are_a_clear_error():
     plan = _mosaic_plan(True, False, t=512, pad=512, blocks=MosaicBlockSizes(stages_bwd=4, dq_atomic=True))
     q = jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 512), jnp.float32)
-    with pytest.raises(ValueError, match=r"flash_attention_dkdv_mosaic needs 258 KiB of shared memory, more than "
-                                         r"the 227 KiB of a Hopper SM; lower MosaicBlockSizes.stages_bwd"):
+    with pytest.raises(ValueError, match=r"flash_attention_dkdv_mosaic needs 258 KiB of shared memory at "
+                                         r"MosaicBlockSizes.stages_bwd=4, more than the 227 KiB of a Hopper SM; "
+                                         r"lower stages_bwd"):
         jax.make_jaxpr(lambda q: mosaic_attention_backward(q, q, q, None, None, q, lse, q, lse, plan))(q)
 
 

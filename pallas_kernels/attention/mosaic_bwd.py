@@ -305,7 +305,7 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
                           dq_atomic=atomic, dq_cols=dq_cols),
         out_type=[kv_type, kv_type], scratch_types=[smem, bars],
         grid=(s_pad // (n_c * BK), b, kh), grid_names=("k_blocks", "batch", "kv_heads"),
-        name="flash_attention_dkdv_mosaic", stages_field="stages_bwd",
+        name="flash_attention_dkdv_mosaic", stages=("stages_bwd", cfg.stages_bwd),
     )(q, k, v, do, lse2, delta, *seg_args, *dq_acc)
     if atomic:
         return (dq_acc[0][...] * plan.sm_scale).astype(dtype), dk, dv
@@ -320,6 +320,6 @@ def mosaic_attention_backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, plan: At
         functools.partial(_dq_kernel, plan=plan, bk=bk, stages=st, group=group, e=e, dtype=dtype),
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype)], scratch_types=[smem, bars],
         grid=(h, t_pad // (n_c * BQ), b), grid_names=("heads", "q_blocks", "batch"),
-        name="flash_attention_dq_mosaic", stages_field="stages_bwd",
+        name="flash_attention_dq_mosaic", stages=("stages_bwd", cfg.stages_bwd),
     )(q, k, v, do, lse2, delta, *seg_args)
     return dq, dk, dv

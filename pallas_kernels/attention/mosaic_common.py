@@ -101,24 +101,26 @@ def compiler_params():
     return plgpu.CompilerParams(approx_math=True)
 
 
-def check_smem(scratch, name: str, stages_field: str) -> None:
+def check_smem(scratch, name: str, stages: tuple[str, int]) -> None:
     """Raise where the SMEM tiles of a kernel (a tuple of specs; None for one it does not use) pass
-    what a Hopper SM has; barriers add a few bytes and are not counted."""
+    what a Hopper SM has; barriers add a few bytes and are not counted. stages: the MosaicBlockSizes
+    field that sizes the SMEM pipeline, and its value."""
     need = sum(math.prod(spec.shape) * jnp.dtype(spec.dtype).itemsize for spec in scratch if spec is not None)
     if need > SMEM_BYTES:
-        raise ValueError(f"{name} needs {need / 1024:.0f} KiB of shared memory, more than the "
-                         f"{SMEM_BYTES // 1024} KiB of a Hopper SM; lower MosaicBlockSizes.{stages_field}")
+        field, value = stages
+        raise ValueError(f"{name} needs {need / 1024:.0f} KiB of shared memory at MosaicBlockSizes.{field}={value}, "
+                         f"more than the {SMEM_BYTES // 1024} KiB of a Hopper SM; lower {field}")
 
 
-def launch(body, *, out_type, scratch_types, grid, grid_names, name: str, stages_field: str):
+def launch(body, *, out_type, scratch_types, grid, grid_names, name: str, stages: tuple[str, int]):
     """A warp-specialized kernel: N_CONSUMERS + 1 warpgroups per CTA, axis "wg".
 
     `pl.kernel` over a `plgpu.Mesh`, with the scratch (SMEM, barriers) allocated by `run_scoped` and
     shared by the warpgroups, as `plgpu.kernel` does; unlike `plgpu.kernel` (whose vmap wrapper
     refuses them) it takes `jax.new_ref` inputs, which the kernel may write in place.
-    scratch_types: [SMEM specs, barriers]; `stages_field` names the setting that sizes the SMEM pipeline.
+    scratch_types: [SMEM specs, barriers]; `stages`: the setting that sizes the SMEM pipeline (check_smem).
     """
-    check_smem(scratch_types[0], name, stages_field)
+    check_smem(scratch_types[0], name, stages)
     mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=N_CONSUMERS + 1, thread_name="wg",
                       kernel_name=name)
 

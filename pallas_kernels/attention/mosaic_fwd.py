@@ -149,6 +149,6 @@ def mosaic_attention_forward(q, k, v, q_seg, kv_seg, plan: AttentionPlan):
         out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32)],
         scratch_types=[smem, bars],
         grid=(h, t_pad // (n_c * BQ), b), grid_names=("heads", "q_blocks", "batch"),
-        name="flash_attention_fwd_mosaic", stages_field="stages",
+        name="flash_attention_fwd_mosaic", stages=("stages", cfg.stages),
     )(*args)
     return o, lse
