@@ -228,6 +228,12 @@ def residual_counts(remat: str, fused_attention: bool = True) -> dict:
     return counts
 
 
+def tp_degrees(cfg: Config, lay: Layout) -> tuple[int, int]:
+    """(tp, tp over the kv heads): kv heads fewer than tp, or not divided by it, are replicated."""
+    tp = lay.degrees["tp"]
+    return tp, (tp if cfg.model.n_kv_heads % tp == 0 else 1)
+
+
 def tokens_per_device(cfg: Config, lay: Layout) -> float:
     """Tokens of one microbatch on a device: sequences over dp, fsdp and ep (outside the experts ep is one more
     data axis), each sequence over cp and sp."""
@@ -243,7 +249,7 @@ def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat:
     c = DTYPE_BYTES[cfg.precision.compute]
     policy = lay.remat if remat is None else remat
     counts = residual_counts(policy, fused_attention=attention_impl != "reference")
-    tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
+    tp, tpk = tp_degrees(cfg, lay)
     n = tokens_per_device(cfg, lay)
     b = n / (cfg.data.seq_len / (g["cp"] * g["sp"]))
     s = cfg.data.seq_len / (g["cp"] * g["sp"])
@@ -273,10 +279,14 @@ def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat:
     return out
 
 
+def some_layer_site_plain(cfg: Config) -> bool:
+    """Some dense layer matmul site (attn.*, mlp.*) runs plain bf16, not an fp8 recipe."""
+    return any(runs_plain(cfg.precision, site) for site in MATMUL_SITES if site.startswith(("attn.", "mlp.")))
+
+
 def per_tensor_fp8_layers(cfg: Config) -> bool:
     """Every dense layer site runs a per-tensor fp8 recipe (fp8, fp8_delayed): none excluded."""
-    return cfg.precision.matmul in ("fp8", "fp8_delayed") and not any(
-        runs_plain(cfg.precision, site) for site in MATMUL_SITES if site.startswith(("attn.", "mlp.")))
+    return cfg.precision.matmul in ("fp8", "fp8_delayed") and not some_layer_site_plain(cfg)
 
 
 def fp8_input_bytes(cfg: Config, n: float, tp: int, tpk: int, c: int) -> float:
@@ -298,9 +308,9 @@ def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
     the sites' inputs from F to W (the attention's normed input, its output, the FFN's normed input, its hidden)
     and their outputs' gradients from B to W (q, k, v, the attention's projection, gate, up, the FFN's output).
     Counted for a dense layer with bf16 sites: fp8 sites and the routed experts are not tapped."""
-    m, g = cfg.model, lay.degrees
+    m = cfg.model
     c = DTYPE_BYTES[cfg.precision.compute]
-    tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
+    tp, tpk = tp_degrees(cfg, lay)
     n = tokens_per_device(cfg, lay)
     d, q, kv, f = n * m.d_model, n * m.n_heads / tp * m.kv_dim, n * m.n_kv_heads / tpk * m.kv_dim, n * m.d_ff / tp
     return c * ((2 * d + q + f) + (q + 2 * kv + d + 2 * f + d))
@@ -324,9 +334,9 @@ def split_pullback_bytes(cfg: Config, lay: Layout) -> float:
     and v). Counted from a chunk's Stash (step/pipeline/ops.py) under none, full, save_dots and save_attn."""
     if lay.remat == "none":
         return 0.0
-    m, g = cfg.model, lay.degrees
+    m = cfg.model
     c = DTYPE_BYTES[cfg.precision.compute]
-    tp, tpk = g["tp"], (g["tp"] if m.n_kv_heads % g["tp"] == 0 else 1)
+    tp, tpk = tp_degrees(cfg, lay)
     n = tokens_per_device(cfg, lay)
     out = n * (m.d_model + 2 * m.d_ff / tp)
     if lay.remat != "save_attn" and "qkv" not in lay.remat:
@@ -339,7 +349,7 @@ def split_backward_bytes(cfg: Config, lay: Layout) -> float:
     split pullback keeps more (split_pullback_bytes). memory_pipeline counts it per chunk and stash slot. Nothing
     where every layer site runs an fp8 recipe: only bf16 sites are tapped (model/layers.py `tap_sites`); where some
     do, all are counted (an upper bound)."""
-    if not any(runs_plain(cfg.precision, site) for site in MATMUL_SITES if site.startswith(("attn.", "mlp."))):
+    if not some_layer_site_plain(cfg):
         return 0.0
     return tapped_site_bytes(cfg, lay) + split_pullback_bytes(cfg, lay)
 
