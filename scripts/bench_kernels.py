@@ -75,11 +75,11 @@ def randn(key, shape, dtype, scale=1.0):
 
 
 def attention_rows(args, results):
-    shapes = [(4, 4096, 16, 16, 128, True), (4, 4096, 16, 16, 128, False),
+    shapes = [(4, 4096, 16, 16, 128, True), (4, 4096, 16, 16, 128, False), (2, 8192, 16, 16, 128, True),
               (1, 16384, 16, 16, 128, True), (1, 16384, 16, 16, 128, False),
               (4, 4096, 16, 4, 128, True), (4, 4096, 32, 8, 64, True)]
     if args.quick:
-        shapes = [shapes[0], shapes[4]]
+        shapes = [shapes[0], shapes[5]]
     impls = {
         "mosaic": lambda causal, bs: functools.partial(flash_attention, causal=causal, block_sizes=bs,
                                                        backend="mosaic"),
@@ -104,9 +104,9 @@ def attention_rows(args, results):
         # Mosaic variants as changes to the head dim's defaults.
         variant = lambda **kw: lambda e: dataclasses.replace(mbs.for_head_dim(e), **kw)  # noqa: E731
         configs["mosaic"] += [
-            ("dq_atomic", variant(dq_atomic=True)),
-            ("dq128", variant(block_k_dq=128)),
-            ("dkv128", variant(block_q_dkv=128)),
+            ("dq_kernel", variant(dq_atomic=False)),
+            ("dq_kernel_dq128", variant(dq_atomic=False, block_k_dq=128)),
+            ("dq_kernel_dkv128", variant(dq_atomic=False, block_q_dkv=128)),
         ]
     for b, s, h, kh, e, causal in shapes:
         flops_fwd = 4 * b * h * s * s * e / (2 if causal else 1)

@@ -53,19 +53,19 @@ CASES = {
     "causal_segments_gqa": (2, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, (300, 77, 500, 147), None),
     "full_segments_ragged": (1, 900, 900, 2, 2, 64, False, jnp.bfloat16, (128, 500, 31), None),
     "causal_fp16": (1, 1024, 1024, 4, 4, 128, True, jnp.float16, None, None),
-    # Non-default tiles, and the other dQ path (TMA reduce-adds from the dK/dV kernel).
+    # Non-default tiles, and the other dQ path (a dQ kernel that recomputes S and dP).
     "causal_dq_kernel_k64_stages3": (1, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, None,
                                      MosaicBlockSizes(block_k=64, stages=3, block_k_dq=128, block_q_dkv=128,
                                                       dq_atomic=False)),
-    "segments_dq_atomic_e64": (2, 700, 700, 4, 2, 64, True, jnp.bfloat16, (200, 33, 467),
-                               MosaicBlockSizes(dq_atomic=True)),
-    "full_dq_atomic_gqa": (1, 512, 640, 4, 2, 128, False, jnp.bfloat16, None, MosaicBlockSizes(dq_atomic=True)),
-    "causal_ragged_t_lt_s_dq_atomic": (2, 1000, 1536, 4, 2, 128, True, jnp.bfloat16, None,
-                                       MosaicBlockSizes(dq_atomic=True)),
-    "causal_t_gt_s_dq_atomic_fp16": (1, 1536, 1000, 4, 4, 128, True, jnp.float16, None,
-                                     MosaicBlockSizes(dq_atomic=True)),
-    "causal_segments_dq_atomic_e128": (2, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, (300, 77, 500, 147),
-                                       MosaicBlockSizes(dq_atomic=True)),
+    "segments_dq_kernel_e64": (2, 700, 700, 4, 2, 64, True, jnp.bfloat16, (200, 33, 467),
+                               MosaicBlockSizes(dq_atomic=False)),
+    "full_dq_kernel_gqa": (1, 512, 640, 4, 2, 128, False, jnp.bfloat16, None, MosaicBlockSizes(dq_atomic=False)),
+    "causal_ragged_t_lt_s_dq_kernel": (2, 1000, 1536, 4, 2, 128, True, jnp.bfloat16, None,
+                                       MosaicBlockSizes(dq_atomic=False)),
+    "causal_t_gt_s_dq_kernel_fp16": (1, 1536, 1000, 4, 4, 128, True, jnp.float16, None,
+                                     MosaicBlockSizes(dq_atomic=False)),
+    "causal_segments_dq_kernel_e128": (2, 1024, 1024, 4, 2, 128, True, jnp.bfloat16, (300, 77, 500, 147),
+                                       MosaicBlockSizes(dq_atomic=False)),
 }
 
 
@@ -112,8 +112,9 @@ def test_backend_names_and_where_mosaic_cannot_run_are_clear_errors():
         MosaicBlockSizes(block_k=32)
     with pytest.raises(ValueError, match="stages must be a positive int; got 0"):
         MosaicBlockSizes(stages=0)
-    with pytest.raises(ValueError, match="dq_atomic needs block_q_dkv=64"):
-        MosaicBlockSizes(block_q_dkv=128, dq_atomic=True)
+    with pytest.raises(ValueError, match=r"dq_atomic \(the default\) needs block_q_dkv=64 .*; got block_q_dkv=128; "
+                                         r"set dq_atomic=False for larger query tiles"):
+        MosaicBlockSizes(block_q_dkv=128)
 
 
 def test_auto_runs_the_triton_kernels_where_mosaic_cannot():

@@ -7,15 +7,16 @@
           sT = K Q^T   pT = exp2(sT - lse2)   dV += pT dO   dpT = V dO^T
           dsT = pT (dpT - delta)   dK += dsT Q
         dK/dV of a kv head are summed in registers: no atomics, no [B, S, H, E] intermediate.
-  dQ, `dq_atomic`: the dkdv step also computes dQ's share of its keys, dS K, and adds it into a
-        zeroed fp32 [B, T, H, E] buffer with TMA reduce-adds: 5 GEMMs in all. Both consumers stage
-        dS^T in SMEM; with E >= 128 each then takes half of dQ's columns over all 128 keys of the CTA
-        (64 x E/2 accumulators, one add of 64 x E per CTA step; K's columns read from both
+  dQ, `dq_atomic` (the default): the dkdv step also computes dQ's share of its keys, dS K, and adds
+        it into a zeroed fp32 [B, T, H, E] buffer with TMA reduce-adds: 5 GEMMs in all. Both consumers
+        stage dS^T in SMEM; with E >= 128 each then takes half of dQ's columns over all 128 keys of the
+        CTA (64 x E/2 accumulators, one add of 64 x E per CTA step; K's columns read from both
         consumers' K tiles), after a barrier that says both halves of dS are written; with E = 64
         each takes its own 64 keys and all columns.
-  dQ, by default: a dq kernel, grid (T/128, B, H): consumer w owns 64 queries; the producer streams
-        K/V of kv head h // G:  s = Q K^T  p = exp2(s - lse2)  dp = dO V^T  ds = p (dp - delta)
-        dQ += ds K. No atomics, but S and dP are computed twice: 7 GEMMs in all.
+  dQ, `dq_atomic=False`: a dq kernel, grid (T/128, B, H): consumer w owns 64 queries; the producer
+        streams K/V of kv head h // G:  s = Q K^T  p = exp2(s - lse2)  dp = dO V^T  ds = p (dp - delta)
+        dQ += ds K. No atomics, but S and dP are computed twice: 7 GEMMs in all. Needed for
+        block_q_dkv = 128.
 
 Causal bounds as in the Triton kernels (plan.py): a dK/dV consumer starts at the first query
 block that sees its keys, and the CTA's producer starts at the earlier consumer's first block, so
@@ -84,14 +85,11 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
             slot = lax.rem(base + qi, stages)
             plgpu.barrier_wait(q_bar.at[slot])
             plgpu.barrier_wait(do_bar.at[slot])
-            buf = lax.rem(base + qi, 2)  # dS^T is double-buffered: see add_dq
+            buf = lax.rem(base + qi, 2)  # dS^T is double-buffered: see issue_dq
 
             def gemms(acc_refs):
-                # Four wgmma groups, waited on in issue order, so each elementwise phase runs while the
-                # tensor cores do the next GEMM: exp2 of S^T beside dP^T, dS^T beside dV. With split
-                # columns dQ's GEMM follows dK's with no wait between them, so the wait for the other
-                # consumer's dS^T runs beside dK; with whole columns (no such wait) dQ after the
-                # accumulators are read measured 2-3% faster (E = 64, H200, 2026-11-28).
+                # wgmma groups waited on in issue order, so each elementwise phase runs while the tensor
+                # cores do a GEMM: exp2 of S^T beside dP^T, and (without dq_atomic) dS^T beside dV.
                 dk_ref, dv_ref, s_ref, dp_ref = acc_refs
                 plgpu.wgmma(s_ref, k_smem.at[wg], q_smem.at[slot].transpose((1, 0)))
                 plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].transpose((1, 0)))
@@ -105,28 +103,37 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
                         q_seg = mc.load_vector(qseg_smem.at[slot], mc.COL)
                     p_t = jnp.where(mc.tile_mask(plan, qi * bq, k_start, p_t.shape, q_seg, k_seg, keys_on_rows=True),
                                     p_t, 0.0)
-                plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
+                if not dq_atomic:
+                    plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
                 plgpu.barrier_wait(delta_bar.at[slot])
-                dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+                dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0 if dq_atomic else 1)
                 ds_t = (p_t * (dp_t - mc.cols(mc.load_vector(delta_smem.at[slot], mc.COL), p_t.shape))).astype(dtype)
-                if dq_atomic:
-                    ds_smem.at[buf, wg][...] = ds_t
-                    plgpu.commit_smem()
-                    if split_e:
-                        plgpu.barrier_arrive(ds_ready.at[buf])
-                plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])  # runs while the other consumer writes its dS^T
+                if not dq_atomic:
+                    plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])
+                    return
+                # dq_atomic: dS^T staged first, then dV, dQ and dK issued back to back (FlashAttention-3's
+                # order): dV keeps the tensor cores busy through the wait for the other consumer's dS^T,
+                # and dQ's fp32 tile goes to SMEM and out while dK runs. Against dV issued before dS^T and
+                # dK before dQ: level to 4% faster at 240 registers (H200, 2026-11-28, docs/PERFORMANCE.md).
+                ds_smem.at[buf, wg][...] = ds_t
+                plgpu.commit_smem()
                 if split_e:
-                    add_dq(buf, qi, h)
+                    plgpu.barrier_arrive(ds_ready.at[buf])
+                plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
+
+                def dq_then_dk(dq_ref):
+                    issue_dq(dq_ref, buf)
+                    plgpu.wgmma(dk_ref, ds_t, q_smem.at[slot])
+                    return plgpu.wgmma_accumulator_load(dq_ref, wait_n=1)  # dV and dQ done, dK in flight
+                add_dq(pl.run_scoped(dq_then_dk, plgpu.ACC((bq, dq_cols), jnp.float32)), qi, h)
 
             tile = mc.full((BK, bq), 0.0)
             dk, dv, _, _ = pl.run_state(gemms)(tuple(plgpu.ACC.init(x) for x in (*carry, tile, tile)))
             plgpu.barrier_arrive(used.at[slot])
-            if dq_atomic and not split_e:
-                add_dq(buf, qi, h)
             return dk, dv
 
-        def add_dq(buf, qi, h):
-            """dQ[q block, my columns] += dS K: an fp32 TMA reduce-add into dq_acc.
+        def issue_dq(acc_ref, buf):
+            """Issue dQ[q block, my columns] = dS K: a wgmma group per consumer whose dS^T and K it reads.
 
             Buffer `buf` of dS^T is written again two steps later. By then the other consumer has
             arrived on the next step's ds_ready, which it does only after its wgmma here has read `buf`.
@@ -138,12 +145,11 @@ def _dkdv_kernel(*refs, plan: AttentionPlan, bq: int, stages: int, group: int, e
                             for j in range(mc.N_CONSUMERS)]
             else:
                 operands = [(ds_smem.at[buf, wg].transpose((1, 0)), k_smem.at[wg])]
+            for a, b_op in operands:
+                plgpu.wgmma(acc_ref, a, b_op)
 
-            def gemms(acc_ref):
-                for a, b_op in operands:  # one wgmma group: the dS K of all operand pairs
-                    plgpu.wgmma(acc_ref, a, b_op)
-                return acc_ref[...]
-            dq = pl.run_scoped(gemms, plgpu.ACC((bq, dq_cols), jnp.float32))
+        def add_dq(dq, qi, h):
+            """dq_acc[q block, my columns] += dq: an fp32 TMA reduce-add from SMEM."""
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous add has read dq_smem
             dq_smem.at[wg][...] = dq
             plgpu.commit_smem()

@@ -74,16 +74,16 @@ class MosaicBlockSizes:
     dq: each consumer walks keys `block_k_dq` at a time. dkdv: each consumer owns 64 keys and walks
     queries `block_q_dkv` at a time. Both backward kernels use `stages_bwd` slots.
     dq_atomic: dQ from the dK/dV kernel, each step's dS K added into an fp32 buffer by TMA reduce-adds
-    (5 GEMMs in all); by default a separate dQ kernel recomputes S and dP (7 GEMMs, no atomics).
-    On an H200 (2026-11-28, docs/PERFORMANCE.md) dq_atomic ran forward+backward 2-6% faster at
-    S >= 8192 and 3-5% slower at S4096 and on GQA, so the default stays the dQ kernel.
+    (5 GEMMs in all); False: a separate dQ kernel recomputes S and dP (7 GEMMs, no atomics), which
+    block_q_dkv=128 needs. On an H200 (2026-11-28, docs/PERFORMANCE.md) dq_atomic ran forward+backward
+    level (causal S4096) to 11% faster (head dim 64) than the dQ kernel, and 1% slower on GQA.
     """
     block_k: int = 128
     stages: int = 2
     block_k_dq: int = 64
     block_q_dkv: int = 64
     stages_bwd: int = 2
-    dq_atomic: bool = False
+    dq_atomic: bool = True
 
     def __post_init__(self):
         for f in ("block_k", "block_k_dq", "block_q_dkv"):
@@ -95,8 +95,8 @@ class MosaicBlockSizes:
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"MosaicBlockSizes.{f} must be a positive int; got {val!r}")
         if self.dq_atomic and self.block_q_dkv != 64:
-            raise ValueError(f"MosaicBlockSizes.dq_atomic needs block_q_dkv=64 (one wgmma's rows of dQ); got "
-                             f"block_q_dkv={self.block_q_dkv}; set dq_atomic=False for larger query tiles")
+            raise ValueError(f"MosaicBlockSizes.dq_atomic (the default) needs block_q_dkv=64 (one wgmma's rows of "
+                             f"dQ); got block_q_dkv={self.block_q_dkv}; set dq_atomic=False for larger query tiles")
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> "MosaicBlockSizes":
