@@ -17,7 +17,8 @@ import pytest
 from meshtrain.config import build_config
 from meshtrain.launch import validated_mesh
 from meshtrain.planning.aot import compile_step
-from meshtrain.planning.memory import Layout, attention_kind, estimate
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory import attention_kind, estimate
 
 # Four layers so that a pipeline of 2 stages can hold 2 chunks each (interleaved, dualpipe_v); a batch small
 # enough that the state (16 B/param) is a third of the peak and activations the rest, so that dropping any

@@ -13,7 +13,8 @@ import pytest
 
 from helpers import make_setup, single_device, tiny_config, train_losses
 from meshtrain.config import ConfigError, validate
-from meshtrain.planning.memory import Layout, estimate
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory import estimate
 from meshtrain.step.state import init_state
 
 BF16_RUN = ("precision.compute=bfloat16", "train.lr=3e-3", "train.warmup_steps=10", "train.steps=200")

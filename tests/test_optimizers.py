@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from helpers import make_setup, single_device, tiny_config
 from meshtrain.checkpoint import Checkpointer, abstract_state
 from meshtrain.config import ConfigError, build_config, validate
-from meshtrain.planning.memory import Layout, estimate
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory import estimate
 from meshtrain.resume import check_compatible
 from meshtrain.step.accumulate import make_grad_fn
 from meshtrain.step.optim import MUON_CONSISTENT_RMS, make_optimizer, muon_dimension_numbers

@@ -15,7 +15,9 @@ import pytest
 from helpers import make_setup, single_device, tiny_config
 from meshtrain.config import ConfigError, validate
 from meshtrain.config.pipeline import last_chunk_remat
-from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory import estimate
+from meshtrain.planning.memory_layer import layer_activation_bytes
 from meshtrain.resolve import resolve
 from meshtrain.step.pipeline.ops import chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, LAST

@@ -16,7 +16,8 @@ import numpy as np
 
 from helpers import flatten, make_setup, single_device, tiny_config
 from meshtrain.config import MATMUL_SITES
-from meshtrain.planning.memory import Layout, tapped_site_bytes
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory_layer import tapped_site_bytes
 from meshtrain.step.pipeline.ops import Stash, chunk_ops, chunk_weights
 from meshtrain.step.pipeline.ticks import B, F, LAST, MID, W
 from meshtrain.step.state import init_state, make_batches

@@ -22,7 +22,9 @@ from meshtrain.launch import validated_mesh
 from meshtrain.planning import collectives as col
 from meshtrain.planning import guard, hlo
 from meshtrain.planning.aot import compile_step
-from meshtrain.planning.memory import Layout, estimate, layer_activation_bytes, param_count
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory import estimate, param_count
+from meshtrain.planning.memory_layer import layer_activation_bytes
 from meshtrain.planning.playbook import playbook_state_bytes
 
 # Big enough that activations and state dominate the compiler's own scratch, small enough to compile

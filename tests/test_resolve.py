@@ -14,7 +14,8 @@ from meshtrain.config import ConfigError, build_config, validate, with_mesh
 from meshtrain.mesh import build_mesh
 from meshtrain.planning import guard
 from meshtrain.planning.aot import lower_step
-from meshtrain.planning.memory import in_flight, Layout
+from meshtrain.planning.layout import Layout
+from meshtrain.planning.memory_pipeline import in_flight
 from meshtrain.planning.search import as_given
 from meshtrain.planning.timing import Rates
 from meshtrain.resolve import resolve, resolve_for_mesh

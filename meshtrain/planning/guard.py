@@ -13,7 +13,8 @@ import os
 from dataclasses import replace
 
 from meshtrain.config import Config, ConfigError, runs_plain
-from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, estimate, run_estimate
+from meshtrain.planning.layout import AXES, Layout
+from meshtrain.planning.memory import Memory, attention_kind, estimate, run_estimate
 from meshtrain.resolve import Execution, resolve
 from meshtrain.xla_flags import JAX_DEFAULT_MEM_FRACTION
 

@@ -11,7 +11,7 @@ The Ultra-Scale Playbook's accounting, applied to the tensors meshtrain actually
     ep                      the routed experts' weights (whole experts per rank); the router is replicated
 
     activations per layer, per microbatch, per device: what autodiff keeps for meshtrain's block
-      (RESIDUALS below, and memory_moe.EXPERT_RESIDUALS for an MoE FFN, checked against jax's own
+      (memory_layer.RESIDUALS, and memory_moe.EXPERT_RESIDUALS for an MoE FFN, checked against jax's own
       saved_residuals in the tests), by shape class:
       [tokens, D], [tokens, F/tp], [tokens, H/tp, E], [tokens, K/tp, E] and, for reference attention,
       the fp32 scores [b, H/tp, s, s] -- the Korthikanti et al. "sbh(34 + 5as/h)" of a GPT layer
@@ -39,66 +39,16 @@ estimate.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
-from meshtrain.config import MATMUL_SITES, Config, padded_vocab, remat_parts, runs_plain
+from meshtrain.config import Config, padded_vocab
 from meshtrain.config.pipeline import last_chunk_remat
-from meshtrain.planning.memory_moe import expert_layer_bytes, grouped_matmul_working_bytes
+from meshtrain.planning.layout import DTYPE_BYTES, Layout, moe_layers, tokens_per_device
+from meshtrain.planning.memory_layer import layer_activation_bytes, split_backward_bytes
+from meshtrain.planning.memory_moe import grouped_matmul_working_bytes
 from meshtrain.planning.memory_pipeline import chunk_layers, in_flight, stage_activation_bytes
 from meshtrain.resolve import Execution
 from pallas_kernels.cross_entropy_sum import token_chunk
-
-AXES = ("pp", "dp", "fsdp", "ep", "cp", "sp", "tp")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by config dtype name
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run a model: mesh degrees and the knobs that trade memory for time."""
-
-    degrees: dict[str, int]
-    zero_stage: int = 1
-    remat: str = "none"
-    micro_batch: int = 16  # sequences per microbatch, over all devices
-    grad_accum: int = 1
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"  # pipeline schedule, used when pp > 1
-    virtual_stages: int = 1  # its chunks per stage
-    loss: str = "reference"  # model.loss: `fused` holds one token chunk's logits, not all of them
-
-    @classmethod
-    def of(cls, cfg: Config) -> "Layout":
-        """The layout `cfg` asks for, its pipeline schedule included."""
-        return cls({a: getattr(cfg.mesh, a) for a in AXES}, cfg.train.zero_stage, cfg.train.remat,
-                   cfg.train.global_batch // cfg.train.grad_accum, cfg.train.grad_accum,
-                   cfg.parallel.sequence_parallel, cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cfg.model.loss)
-
-    def overrides(self) -> list[str]:
-        """The config overrides that select this layout."""
-        return ([f"mesh.{a}={self.degrees[a]}" for a in AXES] +
-                [f"train.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
-                 f"train.grad_accum={self.grad_accum}",
-                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}", f"model.loss={self.loss}"]
-                + ([f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
-                    "model.scan_layers=true"]  # the stages split the stacked layer axis (a chunk runs it unrolled)
-                   if self.degrees["pp"] > 1 else [])
-                + (["parallel.cp_impl=allgather"] if self.gathers_kv_in_stages else []))
-
-    @property
-    def gathers_kv_in_stages(self) -> bool:
-        """Inside a pipeline stage the ring runs on two ranks only (config validation): the planner gathers K/V
-        there instead."""
-        return self.degrees["pp"] > 1 and self.degrees["cp"] > 2
-
-    def label(self) -> str:
-        mesh = " ".join(f"{a}{n}" for a, n in self.degrees.items() if n > 1) or "1 device"
-        sp = "+SP" if self.sequence_parallel else ""
-        pipe = ""
-        if self.degrees["pp"] > 1:
-            pipe = f" {self.schedule}" + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        loss = " fused-loss" if self.loss == "fused" else ""
-        return f"{mesh}{sp}{pipe} Z{self.zero_stage} {self.remat} mb{self.micro_batch}x{self.grad_accum}{loss}"
 
 
 @dataclass(frozen=True)
@@ -111,16 +61,6 @@ class Tensor:
     layer: bool = True  # in the layer stack (pp shards it)
     ep: int = 1  # divisor from expert parallelism
     routed: bool = False  # a routed expert's weights (memory_moe counts what their region keeps)
-
-
-def moe_layers(cfg: Config) -> int:
-    """Layers whose FFN is a mixture of experts (every `moe.every`-th; none in a dense model)."""
-    return _moe_layers(cfg.moe, cfg.model.n_layers)
-
-
-@functools.lru_cache(maxsize=64)  # the planner asks once per layout it estimates
-def _moe_layers(moe, n_layers: int) -> int:
-    return sum(moe.is_moe_layer(i) for i in range(n_layers))
 
 
 def param_tensors(cfg: Config, tp: int, ep: int = 1) -> list[Tensor]:
@@ -183,139 +123,6 @@ class Memory:
         return sorted(((k, v) for k, v in self.to_json().items() if k != "total"), key=lambda kv: -kv[1])
 
 
-# What JAX's autodiff keeps per layer for meshtrain's block (the scan's stacked residuals, read with
-# jax.ad_checkpoint.saved_residuals): tensor counts by shape class, per remat policy.
-#   D: [tokens, d_model]  F: [tokens, d_ff/tp]  Q: [tokens, heads/tp, E]  KV: [tokens, kv_heads/tp, E]
-#   S: [b, heads/tp, s, s] attention scores/probabilities (reference attention only)
-# `c` entries are in the compute dtype, `f32` entries always fp32 (norms and softmax run in fp32).
-RESIDUALS = {
-    "none": dict(D_c=2, D_f32=4, F_c=6, Q_c=4, KV_c=0, S_c=1, S_f32=2),
-    "full": dict(D_c=1),
-    "save_dots": dict(D_c=2, F_c=2, Q_c=1, KV_c=2),
-    # save_dots with the rotated q and k in place of the projections before RoPE, plus the fused attention
-    # kernel's output o (its fp32 log-sum-exp, [b, H/tp, s], is left out as small). With the jnp reference
-    # attention there is no o to keep: it counts as save_dots (residual_counts).
-    "save_dots_attn": dict(D_c=2, F_c=2, Q_c=2, KV_c=2),
-    "save_attn": dict(D_c=1, Q_c=2, KV_c=2),
-}
-# attn_proj and mlp_out feed only the residual add, whose backward needs neither: saving them keeps nothing.
-# The routed experts' points (moe_*) keep the exchange's row buffers: memory_moe.EXPERT_POINTS counts them.
-NAMED_POINTS = {"attn_in": dict(D_c=1), "qkv": dict(Q_c=1, KV_c=2), "attn_out": dict(Q_c=1), "attn_proj": {},
-                "mlp_in": dict(D_c=1), "mlp_hidden": dict(F_c=1), "mlp_out": {}, "moe_in": {}, "moe_hidden": {},
-                "moe_out": {}}
-
-
-def residual_counts(remat: str, fused_attention: bool = True) -> dict:
-    """Tensors kept per shape class. A union of policies (p+q) is counted as the sum of its parts, with the
-    block input once: a bound where both parts keep the same value. fused_attention=False: the jnp reference
-    attention, which has no kernel output for save_dots_attn to keep (it counts as save_dots)."""
-    parts = remat_parts(remat)
-    if len(parts) > 1:
-        counts = {"D_c": 1}
-        for part in remat.split("+"):
-            for k, v in residual_counts(part, fused_attention).items():
-                counts[k] = counts.get(k, 0) + v - (k == "D_c")
-        return counts
-    (policy, points), = parts
-    if policy == "save_dots_attn" and not fused_attention:
-        return RESIDUALS["save_dots"]
-    if policy in RESIDUALS:
-        return RESIDUALS[policy]
-    counts = {"D_c": 1}  # the block input, as for every policy that recomputes
-    for point in points:
-        for k, v in NAMED_POINTS[point].items():
-            counts[k] = counts.get(k, 0) + v
-    return counts
-
-
-def tp_degrees(cfg: Config, lay: Layout) -> tuple[int, int]:
-    """(tp, tp over the kv heads): kv heads fewer than tp, or not divided by it, are replicated."""
-    tp = lay.degrees["tp"]
-    return tp, (tp if cfg.model.n_kv_heads % tp == 0 else 1)
-
-
-def tokens_per_device(cfg: Config, lay: Layout) -> float:
-    """Tokens of one microbatch on a device: sequences over dp, fsdp and ep (outside the experts ep is one more
-    data axis), each sequence over cp and sp."""
-    g = lay.degrees
-    return lay.micro_batch / (g["dp"] * g["fsdp"] * g["ep"]) * cfg.data.seq_len / (g["cp"] * g["sp"])
-
-
-def layer_activation_bytes(cfg: Config, lay: Layout, attention_impl: str, remat: str | None = None,
-                           quantized_inputs: bool = True) -> float:
-    """Bytes one layer keeps for the backward pass, per microbatch, per device (the mean over the stack's dense
-    and MoE layers). quantized_inputs=False counts fp8 sites' inputs as bf16 sites keep them (fp8_input_bytes)."""
-    m, g = cfg.model, lay.degrees
-    c = DTYPE_BYTES[cfg.precision.compute]
-    policy = lay.remat if remat is None else remat
-    counts = residual_counts(policy, fused_attention=attention_impl != "reference")
-    tp, tpk = tp_degrees(cfg, lay)
-    n = tokens_per_device(cfg, lay)
-    b = n / (cfg.data.seq_len / (g["cp"] * g["sp"]))
-    s = cfg.data.seq_len / (g["cp"] * g["sp"])
-    # Ulysses (sp) runs attention over the whole sequence with heads/sp; context parallelism (cp)
-    # holds s/cp queries against s/cp keys per ring step.
-    s_att, h_att = s * g["sp"], m.n_heads / tp / g["sp"]
-    sp_div = tp if lay.sequence_parallel else 1  # fp32 norm internals live on the seq-sharded stream
-    d_c = n * m.d_model / (sp_div if counts.get("D_c", 0) == 1 else 1)
-    out = d_c * c * counts.get("D_c", 0) + n * m.d_model / sp_div * 4 * counts.get("D_f32", 0)
-    # The dense FFN's width, over the stack: an MoE layer has only its shared experts' dense SwiGLU.
-    n_moe, L = moe_layers(cfg), m.n_layers
-    f = ((L - n_moe) * m.d_ff + n_moe * cfg.moe.n_shared * cfg.moe.expert_ffn(m)) / L
-    out += n * f / tp * c * counts.get("F_c", 0)
-    out += n * m.n_heads / tp * m.kv_dim * c * counts.get("Q_c", 0)
-    out += n * m.n_kv_heads / tpk * m.kv_dim * c * counts.get("KV_c", 0)
-    if counts.get("S_c") or counts.get("S_f32"):
-        if attention_impl == "reference":
-            scores = b * h_att * s_att * s_att
-            out += scores * (c * counts.get("S_c", 0) + 4 * counts.get("S_f32", 0))
-            out += 2 * b * h_att * s_att * 4 + 4 * n * 4  # softmax max/sum, norm 1/rms
-        else:  # flash kernels keep the output (counted in Q) and the log-sum-exp
-            out += b * h_att * s_att * 4 + 4 * n * 4
-    if n_moe:
-        out += n_moe / L * expert_layer_bytes(cfg, policy, g, n, c)
-    if quantized_inputs and policy == "none" and not n_moe and per_tensor_fp8_layers(cfg):
-        out += fp8_input_bytes(cfg, n, tp, tpk, c)
-    return out
-
-
-def some_layer_site_plain(cfg: Config) -> bool:
-    """Some dense layer matmul site (attn.*, mlp.*) runs plain bf16, not an fp8 recipe."""
-    return any(runs_plain(cfg.precision, site) for site in MATMUL_SITES if site.startswith(("attn.", "mlp.")))
-
-
-def per_tensor_fp8_layers(cfg: Config) -> bool:
-    """Every dense layer site runs a per-tensor fp8 recipe (fp8, fp8_delayed): none excluded."""
-    return cfg.precision.matmul in ("fp8", "fp8_delayed") and not some_layer_site_plain(cfg)
-
-
-def fp8_input_bytes(cfg: Config, n: float, tp: int, tpk: int, c: int) -> float:
-    """What per-tensor fp8 sites change in a dense layer's residuals under remat none (fp8.per_tensor_matmul keeps
-    each site's input quantized and transposed, one byte a value): the inputs that only matmuls read leave the
-    compute dtype (the two norms' outputs, attention's output, the SwiGLU hidden), each site keeps its own e4m3
-    copy (q, k, v, gate and up of [tokens, D], wo's of the attention output, w_down's of the hidden), and the
-    attention weights, reshaped in the layer, keep their e4m3 values per layer. Checked against jax's
-    saved_residuals (tests/test_planning.py)."""
-    m = cfg.model
-    d, q, kv, f = m.d_model, m.n_heads / tp * m.kv_dim, m.n_kv_heads / tpk * m.kv_dim, m.d_ff / tp
-    dropped = n * (2 * d + q + f) * c
-    quantized = n * (5 * d + q + f) + d * (2 * q + 2 * kv)
-    return quantized - dropped
-
-
-def tapped_site_bytes(cfg: Config, lay: Layout) -> float:
-    """Bytes one layer's tapped matmul sites keep per microbatch in a split backward (step/pipeline/weight_grads.py):
-    the sites' inputs from F to W (the attention's normed input, its output, the FFN's normed input, its hidden)
-    and their outputs' gradients from B to W (q, k, v, the attention's projection, gate, up, the FFN's output).
-    Counted for a dense layer with bf16 sites: fp8 sites and the routed experts are not tapped."""
-    m = cfg.model
-    c = DTYPE_BYTES[cfg.precision.compute]
-    tp, tpk = tp_degrees(cfg, lay)
-    n = tokens_per_device(cfg, lay)
-    d, q, kv, f = n * m.d_model, n * m.n_heads / tp * m.kv_dim, n * m.n_kv_heads / tpk * m.kv_dim, n * m.d_ff / tp
-    return c * ((2 * d + q + f) + (q + 2 * kv + d + 2 * f + d))
-
-
 def run_estimate(cfg: Config, exe: Execution) -> Memory:
     """The one estimate of a config as it will run: its own layout and schedule, the attention its
     Execution picked. The memory guard and the planner's "as given" row both read this."""
@@ -325,33 +132,6 @@ def run_estimate(cfg: Config, exe: Execution) -> Memory:
 def attention_kind(exe: Execution) -> str:
     """The estimator's attention class: "flash" keeps no [T, S] scores, "reference" does."""
     return "flash" if exe.fused_attention else "reference"
-
-
-def split_pullback_bytes(cfg: Config, lay: Layout) -> float:
-    """What a layer's pullback keeps per microbatch beyond its remat policy's residuals when its backward is split:
-    the tapped sites' outputs, which B differentiates through without W's matmuls (q, k, v, a [tokens, D] and
-    gate and up), less what the policy keeps already (remat none: everything; save_attn, names:qkv,...: q, k
-    and v). Counted from a chunk's Stash (step/pipeline/ops.py) under none, full, save_dots and save_attn."""
-    if lay.remat == "none":
-        return 0.0
-    m = cfg.model
-    c = DTYPE_BYTES[cfg.precision.compute]
-    tp, tpk = tp_degrees(cfg, lay)
-    n = tokens_per_device(cfg, lay)
-    out = n * (m.d_model + 2 * m.d_ff / tp)
-    if lay.remat != "save_attn" and "qkv" not in lay.remat:
-        out += n * (m.n_heads / tp + 2 * m.n_kv_heads / tpk) * m.kv_dim
-    return c * out
-
-
-def split_backward_bytes(cfg: Config, lay: Layout) -> float:
-    """What a tapped layer keeps per microbatch for a split backward: its sites (tapped_site_bytes) and what its
-    split pullback keeps more (split_pullback_bytes). memory_pipeline counts it per chunk and stash slot. Nothing
-    where every layer site runs an fp8 recipe: only bf16 sites are tapped (model/layers.py `tap_sites`); where some
-    do, all are counted (an upper bound)."""
-    if not some_layer_site_plain(cfg):
-        return 0.0
-    return tapped_site_bytes(cfg, lay) + split_pullback_bytes(cfg, lay)
 
 
 def estimate(cfg: Config, lay: Layout, attention_impl: str = "reference", grouped_matmul: str = "ragged_dot",

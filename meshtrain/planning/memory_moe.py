@@ -8,7 +8,7 @@ a buffer grouped by local expert. The buffer's row count is the term that matter
                                         the groups' end (zeros); padded: an [ep, N·k] slot per source
     capacity             X·C, C = ceil(cf·N·k/X)   slots per expert, filled or not
 
-Under remat none the region keeps, besides the dense block's attention and norm tensors (memory.RESIDUALS):
+Under remat none the region keeps, besides the dense block's attention and norm tensors (memory_layer.RESIDUALS):
 the gathered rows [R, D], six [R, F/tp] tensors (where a dense SwiGLU keeps six [N, F/tp]), the experts'
 outputs back at their tokens [N, k, D], the local experts' weights [X/ep, D, F/tp] (x3: the region's inputs,
 sliced per layer out of the stacked parameters) and the router's fp32 logits and probabilities [N, X]. The

@@ -19,12 +19,10 @@ residuals while it runs, under pipeline.last_chunk_remat, as one computation kee
 from __future__ import annotations
 
 import functools
-from typing import Any
 
+from meshtrain.planning.layout import Layout
 from meshtrain.step.pipeline.schedules import SPLIT_KINDS, ScheduleError, make_schedule
 from meshtrain.step.pipeline.ticks import TickTables, tick_tables
-
-Layout = Any  # memory.Layout, which imports this module: its degrees, schedule, grad_accum, virtual_stages
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +70,7 @@ def stage_activation_bytes(n_layers: int, lay: Layout, kept_per_layer: float, sp
                            last_kept_per_layer: float, stash_copies: int = 2) -> float:
     """The stash, `stash_copies` times (twice on XLA:CPU, module docstring; once on GPUs), and the last chunk's
     own forward (`last_kept_per_layer`: what a layer of it keeps under pipeline.last_chunk_remat, memory.py).
-    `split_per_layer`: what a tapped layer keeps more per microbatch (memory.split_backward_bytes)."""
+    `split_per_layer`: what a tapped layer keeps more per microbatch (memory_layer.split_backward_bytes)."""
     k = chunk_layers(n_layers, lay)
     stash = stash_slots(lay) * k * (kept_per_layer + (split_per_layer if is_tapped(lay) else 0.0))
     return stash_copies * stash + k * last_kept_per_layer

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 from meshtrain.config import Config, ConfigError, build_config, runs_plain, validate
 from meshtrain.config.pipeline import validate_args
-from meshtrain.planning.memory import AXES, Layout, Memory, attention_kind, estimate, run_estimate
+from meshtrain.planning.layout import AXES, Layout
+from meshtrain.planning.memory import Memory, attention_kind, estimate, run_estimate
 from meshtrain.planning.timing import Rates, step_time
 from meshtrain.resolve import Execution, resolve
 

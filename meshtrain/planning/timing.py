@@ -41,8 +41,9 @@ import numpy as np
 
 from meshtrain.config import Config, padded_vocab, remat_parts
 from meshtrain.metrics import flops_per_token
-from meshtrain.planning.memory import (DTYPE_BYTES, Layout, moe_layers, param_count, param_tensors, sharded_elems,
-                                       split_backward_bytes)
+from meshtrain.planning.layout import DTYPE_BYTES, Layout, moe_layers
+from meshtrain.planning.memory import param_count, param_tensors, sharded_elems
+from meshtrain.planning.memory_layer import split_backward_bytes
 from meshtrain.planning.memory_pipeline import chunk_layers, is_tapped, program
 from meshtrain.step.pipeline.ticks import B, LAST, executor_op_units
 
@@ -233,7 +234,7 @@ def memory_passes_bytes(cfg: Config, lay: Layout) -> float:
     each microbatch of an accumulating step adds its fp32 gradient to the accumulator (12 B), and the optimizer
     reads and writes every local parameter, its gradient and AdamW's moments once a step (20 B + 2x the first
     moment's dtype). A split backward (zb_h1, dualpipe_v) also writes what each tapped layer keeps for W in B and
-    reads it back in W, for every microbatch and layer of the stage (memory.split_backward_bytes): on two H200s
+    reads it back in W, for every microbatch and layer of the stage (memory_layer.split_backward_bytes): on two H200s
     (llama1b, pp=2, 8 microbatches, docs/PERFORMANCE.md 2026-11-28 evening) that predicts 8.6 ms a stage and step,
     where zb_h1's stages were busy 8.1 and 8.4 ms longer than 1F1B's."""
     g = lay.degrees
